@@ -1,0 +1,21 @@
+-- destroy.lua: delete every key of this balancer (replicas, leases, sessions, counters).
+-- KEYS[1]  key prefix "rr:{NAME}:"
+-- ARGV[1]  sticky bucket width (ms)    ARGV[2]  buckets to search back
+-- Returns  how many keys were deleted.
+-- Keeps    I7: only keys under this balancer's prefix are touched.
+local width, span = tonumber(ARGV[1]), tonumber(ARGV[2])
+local cur = math.floor(now_ms() / width)
+local n = 0
+for _, zs in ipairs({ 'load', 'draining' }) do
+  for _, id in ipairs(redis.call('ZRANGE', P .. zs, 0, -1)) do
+    n = n + redis.call('DEL', P .. 'held:' .. id)
+  end
+end
+for b = cur + 1, cur - span, -1 do
+  n = n + redis.call('DEL', P .. 'sticky:' .. b, P .. 'stickyn:' .. b)
+end
+for _, k in ipairs({ 'servers', 'load', 'draining', 'leases', 'byreq', 'due', 'acquires',
+                     'sticky_hits', 'reclaimed', 'config' }) do
+  n = n + redis.call('DEL', P .. k)
+end
+return n

@@ -1,0 +1,15 @@
+-- drain.lua: stop sending new sessions to replicas; their sticky sessions stay.
+-- KEYS[1]  key prefix "rr:{NAME}:"
+-- ARGV     server ids
+-- Returns  how many replicas changed state (were taking new sessions).
+-- Keeps    I1: the count moves with the replica from `load` to `draining` unchanged.
+local n = 0
+for _, id in ipairs(ARGV) do
+  local count = redis.call('ZSCORE', P .. 'load', id)
+  if count then
+    redis.call('ZREM', P .. 'load', id)
+    redis.call('ZADD', P .. 'draining', count, id)
+    n = n + 1
+  end
+end
+return n

@@ -1,0 +1,28 @@
+-- release.lua: end one lease.
+-- KEYS[1]  key prefix "rr:{NAME}:"
+-- ARGV[1]  reap budget    ARGV[2]  server id    ARGV[3]  request id or ''    ARGV[4]  token or ''
+--          With a token, that lease ends (the token decides the replica). With a request id,
+--          the oldest lease of that request on that replica ends. With neither, the lease on
+--          that replica closest to expiry (normally the oldest) ends.
+-- Returns  1 if a lease ended, 0 if there was none (released twice, reaped, unknown or
+--          removed replica: a harmless no-op, I6).
+-- Keeps    I1 (count -1 with its lease, never below 0), I2, I6.
+local id, req, token = ARGV[2], ARGV[3], ARGV[4]
+reap(now_ms(), tonumber(ARGV[1]))
+if token ~= '' then
+  local rec = redis.call('HGET', P .. 'leases', token)
+  if not rec then return 0 end
+  id = server_of(rec)
+elseif req ~= '' then
+  local toks = redis.call('HGET', P .. 'byreq', id .. SEP .. req)
+  if not toks then return 0 end
+  token = string.match(toks, '^%S+')
+else
+  local first = redis.call('ZRANGE', P .. 'held:' .. id, 0, 0)
+  if #first == 0 then return 0 end
+  token = first[1]
+end
+drop_lease(id, token)
+local zs = pool_of(id)
+if zs then redis.call('ZINCRBY', zs, -1, id) end
+return 1

@@ -1,0 +1,20 @@
+-- remove_servers.lua: take replicas out of the pool, atomically, with their leases.
+-- KEYS[1]  key prefix "rr:{NAME}:"
+-- ARGV     server ids
+-- Returns  how many ids were in the pool.
+-- Keeps    I6: no later acquire reaches them (their sticky sessions are re-balanced on their
+--          next turn) and a late release for them finds no lease: a no-op. I1: their leases
+--          and counts go together.
+local removed = 0
+for _, id in ipairs(ARGV) do
+  local held = P .. 'held:' .. id
+  for _, token in ipairs(redis.call('ZRANGE', held, 0, -1)) do drop_lease(id, token) end
+  redis.call('DEL', held)
+  redis.call('ZREM', P .. 'due', id)
+  removed = removed + redis.call('ZREM', P .. 'load', id) + redis.call('ZREM', P .. 'draining', id)
+  redis.call('HDEL', P .. 'servers', id)
+  redis.call('HDEL', P .. 'acquires', id)
+  redis.call('HDEL', P .. 'sticky_hits', id)
+  redis.call('HDEL', P .. 'reclaimed', id)
+end
+return removed

@@ -1,0 +1,37 @@
+-- status.lua: one consistent snapshot of the balancer, for get_status and operators.
+-- KEYS[1]  key prefix "rr:{NAME}:"
+-- ARGV[1]  sticky bucket width (ms)    ARGV[2]  buckets to search back
+-- Returns  { sticky session total, now (ms), rows } where each row is
+--          { id, in-flight, draining (0/1), live leases, sticky sessions, acquires,
+--            sticky hits, reclaimed, JSON metadata }
+-- Keeps    read only.
+local width, span = tonumber(ARGV[1]), tonumber(ARGV[2])
+local now = now_ms()
+local cur = math.floor(now / width)
+local buckets, sessions = {}, 0
+for b = cur, cur - span, -1 do
+  if redis.call('EXISTS', P .. 'sticky:' .. b) == 1 then
+    buckets[#buckets + 1] = b
+    sessions = sessions + redis.call('HLEN', P .. 'sticky:' .. b)
+  end
+end
+local rows = {}
+for d, zs in ipairs({ 'load', 'draining' }) do
+  local ids = redis.call('ZRANGE', P .. zs, 0, -1, 'WITHSCORES')
+  for i = 1, #ids, 2 do
+    local id = ids[i]
+    local sticky = 0
+    for _, b in ipairs(buckets) do
+      sticky = sticky + tonumber(redis.call('HGET', P .. 'stickyn:' .. b, id) or 0)
+    end
+    rows[#rows + 1] = {
+      id, tonumber(ids[i + 1]), d - 1,
+      redis.call('ZCOUNT', P .. 'held:' .. id, now, '+inf'), sticky,
+      tonumber(redis.call('HGET', P .. 'acquires', id) or 0),
+      tonumber(redis.call('HGET', P .. 'sticky_hits', id) or 0),
+      tonumber(redis.call('HGET', P .. 'reclaimed', id) or 0),
+      redis.call('HGET', P .. 'servers', id),
+    }
+  end
+end
+return { sessions, now, rows }

@@ -1,0 +1,244 @@
+"""The asyncio twin: :class:`AsyncRedisLoadBalancer`, same scripts, keys and validation.
+
+Only the sending differs from :mod:`redis_router.balancer`: both drive the operations of
+:class:`~redis_router.core.BalancerCore`. A sync and an async instance with the same Redis and
+name are one balancer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from redis import exceptions as rx
+
+from . import validation
+from .connection import client_for
+from .core import BalancerCore, Call, Grant, Op, T
+from .errors import RedisUnavailable
+
+
+class AsyncLease:
+    """One request's hold on a replica; ``await release()`` ends it exactly once."""
+
+    __slots__ = ("_balancer", "_released", "handle", "request_id", "server_id", "sticky", "token")
+
+    def __init__(self, balancer: AsyncRedisLoadBalancer, grant: Grant) -> None:
+        self._balancer = balancer
+        self._released = False
+        self.server_id, self.handle = grant.server_id, grant.handle
+        self.request_id, self.token, self.sticky = grant.request_id, grant.token, grant.sticky
+
+    async def renew(self) -> bool:
+        """Push the expiry to lease_ttl from now. False if the lease is already gone."""
+        if self._released:
+            return False
+        return await self._balancer._run(self._balancer._core.renew(self.token))
+
+    async def release(self) -> bool:
+        """End the lease. True if this call ended it. Safe to call from a cancelled task's
+        cleanup: the release itself is shielded from cancellation."""
+        if self._released:
+            return False
+        self._released = True
+        b = self._balancer
+        return await asyncio.shield(
+            b._run(b._core.release(self.server_id, self.request_id, self.token))
+        )
+
+    def __repr__(self) -> str:
+        return f"AsyncLease(server_id={self.server_id!r}, request_id={self.request_id!r})"
+
+
+class AsyncRedisLoadBalancer:
+    """The asyncio form of :class:`~redis_router.RedisLoadBalancer` (same arguments, methods
+    are coroutines). Settings are pinned in Redis on the first call."""
+
+    def __init__(
+        self,
+        servers: Mapping[str, Any] | None = None,
+        *,
+        redis: Any = None,
+        name: str = "default",
+        full_determinism: bool = False,
+        sticky_ttl: float = 3600.0,
+        lease_ttl: float = 600.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._core = BalancerCore(
+            name=name,
+            full_determinism=full_determinism,
+            sticky_ttl=sticky_ttl,
+            lease_ttl=lease_ttl,
+            rng=rng,
+        )
+        self._initial = validation.servers_mapping(servers) if servers is not None else {}
+        self._client, self.url, self._owns_client = client_for(redis, asyncio=True)
+        self._setup: asyncio.Future[None] | None = None
+
+    # -- driving the core ------------------------------------------------------------------
+
+    async def _exec(self, call: Call) -> Any:
+        script, client = call.script, self._client
+        try:
+            try:
+                return await client.evalsha(script.sha, 1, self._core.prefix, *call.args)
+            except rx.NoScriptError:
+                await client.script_load(script.source)
+                return await client.evalsha(script.sha, 1, self._core.prefix, *call.args)
+        except (rx.ConnectionError, rx.TimeoutError) as exc:
+            raise RedisUnavailable(f"cannot reach Redis at {self.url}: {exc}") from None
+        except rx.ResponseError as exc:
+            raise self._core.script_error(exc) from None
+
+    async def _drive(self, op: Op[T]) -> T:
+        try:
+            call = next(op)
+            while True:
+                call = op.send(await self._exec(call))
+        except StopIteration as stop:
+            return stop.value
+
+    async def _run(self, op: Op[T]) -> T:
+        if self._setup is None or not self._setup.done() or self._setup.exception():
+            await self._ensure_setup()
+        return await self._drive(op)
+
+    async def _ensure_setup(self) -> None:
+        if self._setup is None or (self._setup.done() and self._setup.exception()):
+            self._setup = asyncio.ensure_future(self._drive(self._core.setup(self._initial)))
+        await asyncio.shield(self._setup)
+
+    # -- routing ---------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._core.name
+
+    async def acquire_server(self, request_id: str) -> tuple[str, Any]:
+        """Route a request: its sticky replica, else the least loaded. Returns (id, handle)."""
+        g = (await self._run(self._core.acquire([validation.request_id(request_id)])))[0]
+        return g.server_id, g.handle
+
+    async def acquire_many(self, request_ids: list[str]) -> list[tuple[str, Any]]:
+        """Route many requests in one round trip, as if acquired one after another."""
+        grants = await self._run(self._core.acquire(validation.request_ids(request_ids)))
+        return [(g.server_id, g.handle) for g in grants]
+
+    async def acquire(self, request_id: str, *, token: str | None = None) -> AsyncLease:
+        """Route a request and return its lease (``token``: see RedisLoadBalancer.acquire)."""
+        rid = validation.request_id(request_id)
+        tokens = [validation.request_id(token, "token")] if token is not None else None
+        return AsyncLease(self, (await self._run(self._core.acquire([rid], tokens)))[0])
+
+    @contextlib.asynccontextmanager
+    async def lease(
+        self, request_id: str, *, renew_every: float | None = None
+    ) -> AsyncIterator[AsyncLease]:
+        """``async with lb.lease(rid) as lease:`` releases exactly once, also on cancellation
+        (a lease granted while the task was being cancelled is released, not leaked)."""
+        if renew_every is not None:
+            validation.seconds(renew_every, "renew_every")
+        pending = asyncio.ensure_future(self.acquire(request_id))
+        try:
+            held = await asyncio.shield(pending)
+        except asyncio.CancelledError:
+            pending.add_done_callback(_release_when_granted)
+            raise
+        keeper = asyncio.ensure_future(_keep_alive(held, renew_every)) if renew_every else None
+        try:
+            yield held
+        finally:
+            if keeper is not None:
+                keeper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await keeper
+            await held.release()
+
+    async def release_server(self, server_id: str, request_id: str | None = None) -> bool:
+        """End the request's lease on that replica (without request_id: its oldest lease)."""
+        sid = validation.server_id(server_id)
+        rid = validation.request_id(request_id) if request_id is not None else None
+        return await self._run(self._core.release(sid, rid))
+
+    # -- the pool --------------------------------------------------------------------------
+
+    async def add_servers(self, servers: Mapping[str, Any]) -> int:
+        return await self._run(self._core.add_servers(servers))
+
+    async def remove_servers(self, server_ids: list[str]) -> int:
+        return await self._run(self._core.remove_servers(server_ids))
+
+    async def drain_servers(self, server_ids: list[str]) -> int:
+        return await self._run(self._core.set_draining(server_ids, True))
+
+    async def undrain_servers(self, server_ids: list[str]) -> int:
+        return await self._run(self._core.set_draining(server_ids, False))
+
+    async def get_all_servers(self) -> list[str]:
+        return sorted(await self._run(self._core.counts()))
+
+    async def get_inflight_count(self, server_id: str) -> int:
+        sid = validation.server_id(server_id)
+        return (await self._run(self._core.counts((sid,)))).get(sid, 0)
+
+    async def get_total_inflight(self) -> int:
+        return sum((await self._run(self._core.counts())).values())
+
+    async def get_status(self) -> dict[str, Any]:
+        return await self._run(self._core.status())
+
+    async def clear_sticky_cache(self) -> None:
+        await self._run(self._core.clear_sticky())
+
+    async def reap(self) -> int:
+        return await self._run(self._core.reap())
+
+    async def destroy(self) -> int:
+        return await self._run(self._core.destroy())
+
+    def require_acquire_fields(self) -> list[str]:
+        return []
+
+    def require_release_fields(self) -> list[str]:
+        return []
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+    async def __aenter__(self) -> AsyncRedisLoadBalancer:
+        await self._ensure_setup()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"AsyncRedisLoadBalancer(name={self.name!r}, redis={self.url!r})"
+
+
+# Releases scheduled from callbacks; referenced here so they are not garbage-collected early.
+_pending_releases: set[asyncio.Future[bool]] = set()
+
+
+def _release_when_granted(task: asyncio.Future[AsyncLease]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        release = asyncio.ensure_future(task.result().release())
+        _pending_releases.add(release)
+        release.add_done_callback(_pending_releases.discard)
+
+
+async def _keep_alive(lease: AsyncLease, every: float) -> None:
+    while True:
+        await asyncio.sleep(every)
+        try:
+            if not await lease.renew():
+                return
+        except RedisUnavailable:
+            continue

@@ -1,0 +1,229 @@
+"""The synchronous balancer: :class:`RedisLoadBalancer` and its :class:`Lease`."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from redis import exceptions as rx
+
+from . import validation
+from .connection import client_for
+from .core import BalancerCore, Call, Grant, Op, T
+from .errors import RedisUnavailable
+
+
+class Lease:
+    """One request's hold on a replica, from acquire until release (or expiry).
+
+    ``release()`` ends it exactly once; later calls return False without a round trip.
+    """
+
+    __slots__ = ("_balancer", "_released", "handle", "request_id", "server_id", "sticky", "token")
+
+    def __init__(self, balancer: RedisLoadBalancer, grant: Grant) -> None:
+        self._balancer = balancer
+        self._released = False
+        self.server_id, self.handle = grant.server_id, grant.handle
+        self.request_id, self.token, self.sticky = grant.request_id, grant.token, grant.sticky
+
+    def renew(self) -> bool:
+        """Push the expiry to lease_ttl from now. False if the lease is already gone."""
+        return not self._released and self._balancer._run(self._balancer._core.renew(self.token))
+
+    def release(self) -> bool:
+        """End the lease. True if this call ended it."""
+        if self._released:
+            return False
+        self._released = True
+        b = self._balancer
+        return b._run(b._core.release(self.server_id, self.request_id, self.token))
+
+    def __repr__(self) -> str:
+        return f"Lease(server_id={self.server_id!r}, request_id={self.request_id!r})"
+
+
+class RedisLoadBalancer:
+    """A global least-in-flight balancer with sticky sessions, shared through Redis.
+
+    Any number of processes that construct it with the same Redis and ``name`` share one
+    balancer; each acquire and release is one atomic Lua script (see ``lua/``).
+    """
+
+    def __init__(
+        self,
+        servers: Mapping[str, Any] | None = None,
+        *,
+        redis: Any = None,
+        name: str = "default",
+        full_determinism: bool = False,
+        sticky_ttl: float = 3600.0,
+        lease_ttl: float = 600.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._core = BalancerCore(
+            name=name,
+            full_determinism=full_determinism,
+            sticky_ttl=sticky_ttl,
+            lease_ttl=lease_ttl,
+            rng=rng,
+        )
+        checked = validation.servers_mapping(servers) if servers is not None else {}
+        self._client, self.url, self._owns_client = client_for(redis, asyncio=False)
+        self._run(self._core.setup(checked))
+
+    # -- driving the core ------------------------------------------------------------------
+
+    def _exec(self, call: Call) -> Any:
+        script, client = call.script, self._client
+        try:
+            try:
+                return client.evalsha(script.sha, 1, self._core.prefix, *call.args)
+            except rx.NoScriptError:
+                client.script_load(script.source)
+                return client.evalsha(script.sha, 1, self._core.prefix, *call.args)
+        except (rx.ConnectionError, rx.TimeoutError) as exc:
+            raise RedisUnavailable(f"cannot reach Redis at {self.url}: {exc}") from None
+        except rx.ResponseError as exc:
+            raise self._core.script_error(exc) from None
+
+    def _run(self, op: Op[T]) -> T:
+        try:
+            call = next(op)
+            while True:
+                call = op.send(self._exec(call))
+        except StopIteration as stop:
+            return stop.value
+
+    # -- routing ---------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._core.name
+
+    def acquire_server(self, request_id: str) -> tuple[str, Any]:
+        """Route a request: its sticky replica, else the least loaded. Returns (id, handle)."""
+        g = self._run(self._core.acquire([validation.request_id(request_id)]))[0]
+        return g.server_id, g.handle
+
+    def acquire_many(self, request_ids: list[str]) -> list[tuple[str, Any]]:
+        """Route many requests in one round trip, as if acquired one after another."""
+        grants = self._run(self._core.acquire(validation.request_ids(request_ids)))
+        return [(g.server_id, g.handle) for g in grants]
+
+    def acquire(self, request_id: str, *, token: str | None = None) -> Lease:
+        """Route a request and return its :class:`Lease`. Passing the token of an earlier,
+        failed attempt makes a retry safe: a lease already granted is returned, not doubled."""
+        rid = validation.request_id(request_id)
+        tokens = [validation.request_id(token, "token")] if token is not None else None
+        return Lease(self, self._run(self._core.acquire([rid], tokens))[0])
+
+    @contextmanager
+    def lease(self, request_id: str, *, renew_every: float | None = None) -> Iterator[Lease]:
+        """``with lb.lease(rid) as lease:`` routes, yields the lease, releases it exactly once.
+
+        ``renew_every`` (seconds) renews it from a background thread, for requests that may
+        outlive lease_ttl.
+        """
+        if renew_every is not None:
+            validation.seconds(renew_every, "renew_every")
+        held = self.acquire(request_id)
+        stop = threading.Event()
+        keeper = None
+        if renew_every is not None:
+            keeper = threading.Thread(
+                target=_keep_alive, args=(held, stop, renew_every), daemon=True
+            )
+            keeper.start()
+        try:
+            yield held
+        finally:
+            stop.set()
+            if keeper is not None:
+                keeper.join()
+            held.release()
+
+    def release_server(self, server_id: str, request_id: str | None = None) -> bool:
+        """End the request's lease on that replica (without request_id: its oldest lease).
+        Releasing twice, or for an unknown or removed replica, is a no-op that returns False."""
+        sid = validation.server_id(server_id)
+        rid = validation.request_id(request_id) if request_id is not None else None
+        return self._run(self._core.release(sid, rid))
+
+    # -- the pool --------------------------------------------------------------------------
+
+    def add_servers(self, servers: Mapping[str, Any]) -> int:
+        """Register replicas; existing ones keep count and leases. Returns how many are new."""
+        return self._run(self._core.add_servers(servers))
+
+    def remove_servers(self, server_ids: list[str]) -> int:
+        """Take replicas out atomically: no acquire reaches them after this returns."""
+        return self._run(self._core.remove_servers(server_ids))
+
+    def drain_servers(self, server_ids: list[str]) -> int:
+        """Send no new sessions to these replicas; their sticky sessions still go there."""
+        return self._run(self._core.set_draining(server_ids, True))
+
+    def undrain_servers(self, server_ids: list[str]) -> int:
+        """Let draining replicas take new sessions again."""
+        return self._run(self._core.set_draining(server_ids, False))
+
+    def get_all_servers(self) -> list[str]:
+        return sorted(self._run(self._core.counts()))
+
+    def get_inflight_count(self, server_id: str) -> int:
+        sid = validation.server_id(server_id)
+        return self._run(self._core.counts((sid,))).get(sid, 0)
+
+    def get_total_inflight(self) -> int:
+        return sum(self._run(self._core.counts()).values())
+
+    def get_status(self) -> dict[str, Any]:
+        """A consistent snapshot; ``sticky_sessions`` counts sessions whose entry has not yet
+        expired (approximate: entries of removed replicas count until their next turn)."""
+        return self._run(self._core.status())
+
+    def clear_sticky_cache(self) -> None:
+        self._run(self._core.clear_sticky())
+
+    def reap(self) -> int:
+        """Reclaim every expired lease now. Returns how many."""
+        return self._run(self._core.reap())
+
+    def destroy(self) -> int:
+        """Delete every key of this balancer from Redis. Returns how many keys went."""
+        return self._run(self._core.destroy())
+
+    def require_acquire_fields(self) -> list[str]:
+        return []
+
+    def require_release_fields(self) -> list[str]:
+        return []
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the connection pool if this balancer made it (a client you passed stays open)."""
+        if self._owns_client:
+            self._client.close()
+
+    def __enter__(self) -> RedisLoadBalancer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RedisLoadBalancer(name={self.name!r}, redis={self.url!r})"
+
+
+def _keep_alive(lease: Lease, stop: threading.Event, every: float) -> None:
+    while not stop.wait(every):
+        try:
+            if not lease.renew():
+                return
+        except RedisUnavailable:
+            continue  # try again next period; the lease has lease_ttl of slack

@@ -1,0 +1,138 @@
+"""Turn a URL into a redis-py client, sync or asyncio, and describe it without its password.
+
+Schemes, as the ``limits`` library spells them: ``redis://``, ``rediss://``, ``unix://``,
+``redis+sentinel://[:password@]host:port[,host:port...]/service_name[/db]`` and
+``redis+cluster://[:password@]host:port[,host:port...]``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+DEFAULT_URL = "redis://localhost:6379/0"
+SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster")
+
+# Fail fast during an outage (a refused connection fails at once; a silent host within 2 s)
+# and retry a dropped connection briefly: a retried acquire carries the same lease token, so
+# it is never counted twice.
+CLIENT_OPTIONS: dict[str, Any] = {"socket_connect_timeout": 2.0, "socket_timeout": 5.0}
+RETRIES = 2
+
+_PASSWORD = re.compile(r"(?<=://)([^@/]*)@")
+
+
+def redact(url: str) -> str:
+    """The URL with any user:password part replaced, safe for errors, logs and status."""
+
+    def hide(m: re.Match[str]) -> str:
+        userinfo = m.group(1)
+        user = userinfo.split(":", 1)[0] if ":" in userinfo else ""
+        return f"{user}:***@" if (user or ":" in userinfo) else "***@"
+
+    return _PASSWORD.sub(hide, url)
+
+
+def resolve_url(url: str | None) -> str:
+    return url or os.environ.get("REDIS_URL") or DEFAULT_URL
+
+
+def describe(client: Any) -> str:
+    """A password-free URL-like description of a ready client (for error messages)."""
+    nodes = getattr(client, "startup_nodes", None) or getattr(client, "nodes_manager", None)
+    if nodes is not None and hasattr(client, "get_nodes"):
+        try:
+            hosts = ",".join(f"{n.host}:{n.port}" for n in client.get_nodes())
+        except Exception:  # pragma: no cover - defensive: description only
+            hosts = "?"
+        return f"redis+cluster://{hosts}"
+    pool = getattr(client, "connection_pool", None)
+    kw = getattr(pool, "connection_kwargs", {}) or {}
+    service = getattr(pool, "service_name", None)
+    if service:
+        return f"redis+sentinel://{service}"
+    if "path" in kw:
+        return f"unix://{kw['path']}"
+    return f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+
+
+def _retry(asyncio: bool) -> Any:
+    from redis.backoff import ExponentialBackoff
+
+    if asyncio:
+        from redis.asyncio.retry import Retry
+    else:
+        from redis.retry import Retry
+    return Retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES)
+
+
+def _hosts(netloc: str, default_port: int) -> list[tuple[str, int]]:
+    out = []
+    for part in netloc.split(","):
+        host, _, port = part.rpartition(":") if ":" in part else (part, "", "")
+        out.append((host or "localhost", int(port) if port else default_port))
+    return out
+
+
+def connect(url: str, *, asyncio: bool = False) -> Any:
+    """Build a client for ``url``; raises ValueError naming the scheme if it is unknown."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme not in SCHEMES:
+        raise ValueError(
+            f"redis URL {redact(url)!r} has an unsupported scheme; use one of "
+            + ", ".join(f"{s}://" for s in SCHEMES)
+        )
+    opts = dict(CLIENT_OPTIONS, decode_responses=True, retry=_retry(asyncio))
+    if asyncio:
+        import redis.asyncio as r
+        from redis.asyncio.cluster import ClusterNode, RedisCluster
+        from redis.asyncio.sentinel import Sentinel
+    else:
+        import redis as r
+        from redis.cluster import ClusterNode, RedisCluster
+        from redis.sentinel import Sentinel
+
+    if scheme in ("redis", "rediss", "unix"):
+        return r.Redis.from_url(url, **opts)
+
+    parts = urlsplit(url)
+    netloc = parts.netloc.rsplit("@", 1)[-1]
+    password = unquote(parts.password) if parts.password else None
+    username = unquote(parts.username) if parts.username else None
+    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    if scheme == "redis+cluster":
+        nodes = [ClusterNode(h, p) for h, p in _hosts(netloc, 6379)]
+        opts.pop("retry")  # RedisCluster retries by itself (MOVED, failover)
+        return RedisCluster(startup_nodes=nodes, password=password, username=username, **opts)
+    path = [p for p in parts.path.split("/") if p]
+    if not path:
+        raise ValueError(
+            f"redis URL {redact(url)!r} names no service: use "
+            "redis+sentinel://host:port[,host:port...]/service_name"
+        )
+    sentinel_kw = {}
+    if "sentinel_password" in query:
+        sentinel_kw["password"] = query["sentinel_password"]
+    sentinel = Sentinel(
+        _hosts(netloc, 26379),
+        sentinel_kwargs=dict(CLIENT_OPTIONS, **sentinel_kw),
+        **CLIENT_OPTIONS,
+    )
+    db = int(path[1]) if len(path) > 1 else 0
+    return sentinel.master_for(path[0], password=password, username=username, db=db, **opts)
+
+
+def client_for(redis: Any, *, asyncio: bool) -> tuple[Any, str, bool]:
+    """(client, password-free description, whether we own it) for the balancer's ``redis=``."""
+    if redis is None or isinstance(redis, str):
+        url = resolve_url(redis)
+        return connect(url, asyncio=asyncio), redact(url), True
+    if not callable(getattr(redis, "evalsha", None)):
+        raise TypeError(
+            "redis must be a URL string or a redis-py client "
+            f"({'redis.asyncio' if asyncio else 'redis'}.Redis, RedisCluster, or a Sentinel "
+            f"master), got {type(redis).__name__}"
+        )
+    return redis, describe(redis), False

@@ -1,0 +1,249 @@
+"""The balancer's logic without I/O, shared by the sync and asyncio balancers.
+
+Each operation is a generator: it validates its arguments (before anything is sent, I8),
+yields :class:`Call` objects, receives each reply and returns the decoded result. The sync
+balancer drives it with blocking calls, the asyncio one with awaits; nothing else differs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from . import validation
+from .errors import ConfigMismatch, NoServersAvailable
+from .scripts import Script, load
+
+T = TypeVar("T")
+Op = Generator["Call", Any, T]
+
+# Expired leases reclaimed by each acquire / release before its own work: bounded, so a mass
+# crash cannot make one call slow; reap() and later calls take the rest.
+REAP_BUDGET = 16
+# reap() reclaims in chunks of this size until a chunk comes back short.
+REAP_CHUNK = 1000
+# Sticky sessions live in time buckets of sticky_ttl / STICKY_BUCKETS: a session expires between
+# sticky_ttl and sticky_ttl * (1 + 1 / STICKY_BUCKETS) after its last turn.
+STICKY_BUCKETS = 4
+# Tie-break entropy per request (bits); modulo bias over a few thousand ties is ~2**-36.
+RAND_BITS = 48
+
+_MISSING = object()
+_IMMUTABLE = (str, int, float, bool, type(None))
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One script invocation: KEYS[1] is always the balancer's key prefix."""
+
+    script: Script
+    args: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """One routed request: where it goes and the lease that holds it there."""
+
+    server_id: str
+    handle: Any
+    request_id: str
+    token: str
+    sticky: bool
+
+
+def new_token() -> str:
+    """A lease token: unique across processes (never from the tie-break RNG, which tests seed)."""
+    return os.urandom(8).hex()
+
+
+def _str(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _meta_json(value: Any) -> str:
+    """JSON for Redis; a value that is not JSON (a Ray actor handle) is stored as null."""
+    try:
+        return json.dumps(value, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError):
+        return "null"
+
+
+class BalancerCore:
+    """Settings, argument packing and reply decoding for one balancer in one process."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        full_determinism: bool,
+        sticky_ttl: float,
+        lease_ttl: float,
+        rng: random.Random | None,
+    ) -> None:
+        self.name = validation.name(name)
+        self.prefix = f"rr:{{{self.name}}}:"
+        if not isinstance(full_determinism, bool):
+            raise TypeError(
+                f"full_determinism must be a bool, got {type(full_determinism).__name__}"
+            )
+        self.full_determinism = full_determinism
+        self.sticky_ttl = validation.seconds(sticky_ttl, "sticky_ttl")
+        self.lease_ttl = validation.seconds(lease_ttl, "lease_ttl")
+        if rng is not None and not callable(getattr(rng, "getrandbits", None)):
+            raise TypeError(f"rng must be a random.Random (or None), got {type(rng).__name__}")
+        self._getrandbits = (rng or random.Random(os.urandom(16))).getrandbits
+        self.lease_ms = max(1, round(self.lease_ttl * 1000))
+        self.sticky_ms = max(1, round(self.sticky_ttl * 1000))
+        self.width_ms = -(-self.sticky_ms // STICKY_BUCKETS)
+        self.span = -(-self.sticky_ms // self.width_ms) + 1
+        self._acquire_head = (
+            self.lease_ms,
+            self.width_ms,
+            self.sticky_ms,
+            self.span,
+            "1" if full_determinism else "0",
+            REAP_BUDGET,
+        )
+        self.handles: dict[str, Any] = {}
+        self._decoded: dict[str, Any] = {}
+        self._scripts = {n: load(n) for n in ("acquire", "release")}
+
+    # -- replies ---------------------------------------------------------------------------
+
+    def script_error(self, exc: Exception) -> Exception:
+        """Map an error raised inside a script to the library's exception."""
+        if str(exc).startswith("NOSERVERS"):
+            return NoServersAvailable(
+                f"balancer {self.name!r}: no replica is accepting new sessions (the pool is empty "
+                "or every replica is draining); register replicas with add_servers() or "
+                "`redis-router servers add`"
+            )
+        return exc
+
+    def handle(self, server_id: str, meta: Any) -> Any:
+        """The value this process registered for server_id, else its JSON metadata from Redis."""
+        local = self.handles.get(server_id, _MISSING)
+        if local is not _MISSING:
+            return local
+        if meta is None:
+            return None
+        meta = _str(meta)
+        value = self._decoded.get(meta, _MISSING)
+        if value is _MISSING:
+            value = json.loads(meta)
+            if isinstance(value, _IMMUTABLE) and len(self._decoded) < 4096:
+                self._decoded[meta] = value  # only immutable values are shared between calls
+        return value
+
+    # -- operations ------------------------------------------------------------------------
+
+    def setup(self, servers: Mapping[str, Any]) -> Op[None]:
+        pinned = int((yield Call(load("configure"), (self.sticky_ms,))))
+        if pinned != self.sticky_ms:
+            raise ConfigMismatch(
+                f"balancer {self.name!r}: sticky_ttl={self.sticky_ttl:g}s, but the balancer's "
+                f"processes already use {pinned / 1000:g}s (pinned in Redis key "
+                f"{self.prefix}config). Use the same sticky_ttl in every process, or "
+                "destroy() the balancer to start over."
+            )
+        if servers:
+            yield from self.add_servers(servers)
+
+    def acquire(self, request_ids: list[str], tokens: list[str] | None = None) -> Op[list[Grant]]:
+        tokens = tokens or [new_token() for _ in request_ids]
+        rand = self._getrandbits
+        args: list[Any] = list(self._acquire_head)
+        for rid, token in zip(request_ids, tokens, strict=True):
+            args += (rid, token, rand(RAND_BITS))
+        raw = yield Call(self._scripts["acquire"], tuple(args))
+        grants = []
+        for i, rid in enumerate(request_ids):
+            sid = _str(raw[3 * i])
+            grants.append(
+                Grant(sid, self.handle(sid, raw[3 * i + 1]), rid, tokens[i], raw[3 * i + 2] == 1)
+            )
+        return grants
+
+    def release(self, server_id: str, request_id: str | None, token: str | None = None) -> Op[bool]:
+        args = (REAP_BUDGET, server_id, request_id or "", token or "")
+        return (yield Call(self._scripts["release"], args)) == 1
+
+    def renew(self, token: str) -> Op[bool]:
+        return (yield Call(load("renew"), (self.lease_ms, token))) == 1
+
+    def add_servers(self, servers: Mapping[str, Any]) -> Op[int]:
+        checked = validation.servers_mapping(servers)
+        if not checked:
+            return 0
+        args = [x for sid, value in checked.items() for x in (sid, _meta_json(value))]
+        added = yield Call(load("add_servers"), tuple(args))
+        self.handles.update(checked)
+        return int(added)
+
+    def remove_servers(self, server_ids: Any) -> Op[int]:
+        ids = validation.server_ids(server_ids)
+        if not ids:
+            return 0
+        removed = yield Call(load("remove_servers"), tuple(ids))
+        for sid in ids:
+            self.handles.pop(sid, None)
+        return int(removed)
+
+    def set_draining(self, server_ids: Any, draining: bool) -> Op[int]:
+        ids = validation.server_ids(server_ids)
+        if not ids:
+            return 0
+        return int((yield Call(load("drain" if draining else "undrain"), tuple(ids))))
+
+    def reap(self) -> Op[int]:
+        total = 0
+        while True:
+            n = int((yield Call(load("reap"), (REAP_CHUNK,))))
+            total += n
+            if n < REAP_CHUNK:
+                return total
+
+    def clear_sticky(self) -> Op[None]:
+        yield Call(load("clear_sticky"), (self.width_ms, self.span))
+
+    def destroy(self) -> Op[int]:
+        n = yield Call(load("destroy"), (self.width_ms, self.span))
+        self.handles.clear()
+        return int(n)
+
+    def counts(self, server_ids: tuple[str, ...] = ()) -> Op[dict[str, int]]:
+        raw = yield Call(load("counts"), server_ids)
+        return {_str(raw[i]): int(float(raw[i + 1])) for i in range(0, len(raw), 2)}
+
+    def status(self) -> Op[dict[str, Any]]:
+        sessions, _now, rows = yield Call(load("status"), (self.width_ms, self.span))
+        replicas: dict[str, dict[str, Any]] = {}
+        for sid, inflight, draining, live, sticky, acquires, hits, reclaimed, meta in rows:
+            sid = _str(sid)
+            replicas[sid] = {
+                "inflight": int(inflight),
+                "draining": draining == 1,
+                "live_leases": int(live),
+                "sticky_sessions": int(sticky),
+                "acquires": int(acquires),
+                "sticky_hits": int(hits),
+                "reclaimed": int(reclaimed),
+                "metadata": json.loads(_str(meta)) if meta is not None else None,
+            }
+        return {
+            "name": self.name,
+            "servers": {sid: r["inflight"] for sid, r in replicas.items()},
+            "total_inflight": sum(r["inflight"] for r in replicas.values()),
+            "active_servers": sum(not r["draining"] for r in replicas.values()),
+            "draining_servers": sorted(sid for sid, r in replicas.items() if r["draining"]),
+            "registered_handles": len(self.handles),
+            "sticky_sessions": int(sessions),
+            "full_determinism": self.full_determinism,
+            "sticky_ttl": self.sticky_ttl,
+            "lease_ttl": self.lease_ttl,
+            "replicas": replicas,
+        }

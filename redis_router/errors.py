@@ -1,0 +1,24 @@
+"""Exceptions raised by redis-router. Every one derives from :class:`RedisRouterError`."""
+
+from __future__ import annotations
+
+
+class RedisRouterError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class NoServersAvailable(RedisRouterError, RuntimeError):
+    """No replica can take the request: the pool is empty or every replica is draining.
+
+    A ``RuntimeError``, as verl's balancer raises, so callers written for verl keep working.
+    """
+
+
+class RedisUnavailable(RedisRouterError, ConnectionError):
+    """Redis could not be reached or answered too late. The message names the URL, never its
+    password. Calls fail fast with this during an outage and work again once Redis is back."""
+
+
+class ConfigMismatch(RedisRouterError, ValueError):
+    """This process's settings disagree with the ones pinned in Redis by the balancer's first
+    process (all processes of one balancer must share them)."""

