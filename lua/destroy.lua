@@ -15,7 +15,7 @@ for b = cur + 1, cur - span, -1 do
   n = n + redis.call('DEL', P .. 'sticky:' .. b, P .. 'stickyn:' .. b)
 end
 for _, k in ipairs({ 'servers', 'load', 'draining', 'leases', 'byreq', 'due', 'acquires',
-                     'sticky_hits', 'reclaimed', 'config' }) do
+                     'sticky_hits', 'reclaimed', 'config', 'weights', 'weighted' }) do
   n = n + redis.call('DEL', P .. k)
 end
 return n

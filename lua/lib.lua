@@ -13,6 +13,8 @@
 --   P.."stickyn:"..b    HASH  server id -> sessions in bucket b (expires with it)
 --   P.."acquires", P.."sticky_hits", P.."reclaimed"   HASH  server id -> counter
 --   P.."config"         HASH  settings pinned by the first process (sticky_ttl_ms)
+--   P.."weights"        HASH  lease token -> weight, for routers that weigh requests (tokens)
+--   P.."weighted"       ZSET  server id -> sum of the weights of its leases
 -- Invariant I1: ZSCORE load|draining id == ZCARD held:id, always, after every script.
 
 local P = KEYS[1]
@@ -53,12 +55,18 @@ local function forget_token(field, token)
   end
 end
 
--- Delete one lease's records. The caller adjusts the count (I1).
+-- Delete one lease's records, and its weight if it has one. The caller adjusts the count (I1).
+-- Every script that ends leases goes through here, so weighted loads stay exact too.
 local function drop_lease(id, token)
   local rec = redis.call('HGET', P .. 'leases', token)
   if rec then
     redis.call('HDEL', P .. 'leases', token)
     forget_token(rec, token)
+    local w = redis.call('HGET', P .. 'weights', token)
+    if w then
+      redis.call('HDEL', P .. 'weights', token)
+      redis.call('ZINCRBY', P .. 'weighted', -tonumber(w), id)
+    end
   end
   redis.call('ZREM', P .. 'held:' .. id, token)
 end
@@ -135,4 +143,68 @@ local function rendezvous(req)
     if not best_h or h > best_h then best, best_h = id, h end
   end
   return best
+end
+
+-- The acquire procedure every router shares (the core's acquire.lua and plugins' scripts).
+-- ARGV[1] lease ttl (ms), ARGV[2] sticky bucket width (ms), ARGV[3] sticky ttl (ms),
+-- ARGV[4] buckets to search back, ARGV[5] router flag (core: 1 = full_determinism),
+-- ARGV[6] reap budget; then `stride` arguments per request starting at ARGV[7]: request id,
+-- lease token, random integer, then the router's own.
+-- choose(i) picks the replica for a new session whose arguments start at ARGV[i] (nil: none);
+-- granted(i, id, token), if given, runs after each new lease (to weigh it, record blocks...).
+-- Returns a flat array: per request, server id, JSON metadata, and 0 = balanced, 1 = sticky,
+-- 2 = retry of a granted token; or the error NOSERVERS before anything is written.
+local function acquire_all(stride, choose, granted)
+  local lease_ms, width, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+  local span, budget = tonumber(ARGV[4]), tonumber(ARGV[6])
+  local now = now_ms()
+  local cur = math.floor(now / width)
+  reap(now, budget)
+
+  -- With no replica taking new sessions, refuse the whole batch unless each request is a
+  -- retry or sticky to a pool member (a draining one), before anything is written.
+  if redis.call('EXISTS', P .. 'load') == 0 then
+    for i = 7, #ARGV, stride do
+      if redis.call('HEXISTS', P .. 'leases', ARGV[i + 1]) == 0 then
+        local sid = sticky_find(ARGV[i], cur, span)
+        if not (sid and pool_of(sid)) then
+          return redis.error_reply('NOSERVERS no replica is accepting new sessions')
+        end
+      end
+    end
+  end
+
+  local out = {}
+  local expires = now + lease_ms
+  for i = 7, #ARGV, stride do
+    local req, token = ARGV[i], ARGV[i + 1]
+    local id, how
+    local rec = redis.call('HGET', P .. 'leases', token)
+    if rec then
+      id, how = server_of(rec), 2
+    else
+      local sid, sb = sticky_find(req, cur, span)
+      local zs = sid and pool_of(sid)
+      if zs then
+        id, how = sid, 1
+        redis.call('HINCRBY', P .. 'sticky_hits', id, 1)
+      else
+        zs, how, id = P .. 'load', 0, choose(i)
+      end
+      redis.call('ZINCRBY', zs, 1, id)
+      redis.call('ZADD', P .. 'held:' .. id, expires, token)
+      redis.call('ZADD', P .. 'due', 'LT', expires, id)
+      local field = id .. SEP .. req
+      redis.call('HSET', P .. 'leases', token, field)
+      local toks = redis.call('HGET', P .. 'byreq', field)
+      redis.call('HSET', P .. 'byreq', field, toks and (toks .. ' ' .. token) or token)
+      sticky_put(req, id, cur, width, ttl, sid, sb)
+      redis.call('HINCRBY', P .. 'acquires', id, 1)
+      if granted then granted(i, id, token) end
+    end
+    out[#out + 1] = id
+    out[#out + 1] = redis.call('HGET', P .. 'servers', id)
+    out[#out + 1] = how
+  end
+  return out
 end

@@ -11,6 +11,7 @@ for _, id in ipairs(ARGV) do
   for _, token in ipairs(redis.call('ZRANGE', held, 0, -1)) do drop_lease(id, token) end
   redis.call('DEL', held)
   redis.call('ZREM', P .. 'due', id)
+  redis.call('ZREM', P .. 'weighted', id)
   removed = removed + redis.call('ZREM', P .. 'load', id) + redis.call('ZREM', P .. 'draining', id)
   redis.call('HDEL', P .. 'servers', id)
   redis.call('HDEL', P .. 'acquires', id)

@@ -17,7 +17,7 @@ from redis import exceptions as rx
 
 from . import validation
 from .connection import client_for
-from .core import BalancerCore, Call, Grant, Op, T
+from .core import BalancerCore, Call, Grant, Op, T, merge_router_kwargs
 from .errors import RedisUnavailable
 
 
@@ -67,14 +67,21 @@ class AsyncRedisLoadBalancer:
         sticky_ttl: float = 3600.0,
         lease_ttl: float = 600.0,
         rng: random.Random | None = None,
+        router_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        self._core = BalancerCore(
-            name=name,
-            full_determinism=full_determinism,
-            sticky_ttl=sticky_ttl,
-            lease_ttl=lease_ttl,
-            rng=rng,
+        opts = merge_router_kwargs(
+            {
+                "redis": redis,
+                "name": name,
+                "full_determinism": full_determinism,
+                "sticky_ttl": sticky_ttl,
+                "lease_ttl": lease_ttl,
+                "rng": rng,
+            },
+            router_kwargs,
         )
+        redis = opts.pop("redis")
+        self._core = BalancerCore(**opts)
         self._initial = validation.servers_mapping(servers) if servers is not None else {}
         self._client, self.url, self._owns_client = client_for(redis, asyncio=True)
         self._setup: asyncio.Future[None] | None = None
@@ -118,7 +125,7 @@ class AsyncRedisLoadBalancer:
     def name(self) -> str:
         return self._core.name
 
-    async def acquire_server(self, request_id: str) -> tuple[str, Any]:
+    async def acquire_server(self, request_id: str, **fields: Any) -> tuple[str, Any]:
         """Route a request: its sticky replica, else the least loaded. Returns (id, handle)."""
         g = (await self._run(self._core.acquire([validation.request_id(request_id)])))[0]
         return g.server_id, g.handle
@@ -158,7 +165,9 @@ class AsyncRedisLoadBalancer:
                     await keeper
             await held.release()
 
-    async def release_server(self, server_id: str, request_id: str | None = None) -> bool:
+    async def release_server(
+        self, server_id: str, request_id: str | None = None, **fields: Any
+    ) -> bool:
         """End the request's lease on that replica (without request_id: its oldest lease)."""
         sid = validation.server_id(server_id)
         rid = validation.request_id(request_id) if request_id is not None else None

@@ -12,7 +12,7 @@ from redis import exceptions as rx
 
 from . import validation
 from .connection import client_for
-from .core import BalancerCore, Call, Grant, Op, T
+from .core import BalancerCore, Call, Grant, Op, T, merge_router_kwargs
 from .errors import RedisUnavailable
 
 
@@ -63,14 +63,21 @@ class RedisLoadBalancer:
         sticky_ttl: float = 3600.0,
         lease_ttl: float = 600.0,
         rng: random.Random | None = None,
+        router_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        self._core = BalancerCore(
-            name=name,
-            full_determinism=full_determinism,
-            sticky_ttl=sticky_ttl,
-            lease_ttl=lease_ttl,
-            rng=rng,
+        opts = merge_router_kwargs(
+            {
+                "redis": redis,
+                "name": name,
+                "full_determinism": full_determinism,
+                "sticky_ttl": sticky_ttl,
+                "lease_ttl": lease_ttl,
+                "rng": rng,
+            },
+            router_kwargs,
         )
+        redis = opts.pop("redis")
+        self._core = BalancerCore(**opts)
         checked = validation.servers_mapping(servers) if servers is not None else {}
         self._client, self.url, self._owns_client = client_for(redis, asyncio=False)
         self._run(self._core.setup(checked))
@@ -104,7 +111,7 @@ class RedisLoadBalancer:
     def name(self) -> str:
         return self._core.name
 
-    def acquire_server(self, request_id: str) -> tuple[str, Any]:
+    def acquire_server(self, request_id: str, **fields: Any) -> tuple[str, Any]:
         """Route a request: its sticky replica, else the least loaded. Returns (id, handle)."""
         g = self._run(self._core.acquire([validation.request_id(request_id)]))[0]
         return g.server_id, g.handle
@@ -146,7 +153,7 @@ class RedisLoadBalancer:
                 keeper.join()
             held.release()
 
-    def release_server(self, server_id: str, request_id: str | None = None) -> bool:
+    def release_server(self, server_id: str, request_id: str | None = None, **fields: Any) -> bool:
         """End the request's lease on that replica (without request_id: its oldest lease).
         Releasing twice, or for an unknown or removed replica, is a no-op that returns False."""
         sid = validation.server_id(server_id)

@@ -55,6 +55,38 @@ class Grant:
     sticky: bool
 
 
+OPTION_DEFAULTS: dict[str, Any] = {
+    "redis": None,
+    "name": "default",
+    "full_determinism": False,
+    "sticky_ttl": 3600.0,
+    "lease_ttl": 600.0,
+    "rng": None,
+}
+
+
+def merge_router_kwargs(
+    given: dict[str, Any], router_kwargs: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """Fold the seed's plugin-style ``router_kwargs`` (e.g. the rest of a YAML router config)
+    into the constructor's keyword options. A key may come from one place only."""
+    if router_kwargs is None:
+        return given
+    if not isinstance(router_kwargs, Mapping):
+        raise TypeError(f"router_kwargs must be a mapping, got {type(router_kwargs).__name__}")
+    unknown = sorted(set(router_kwargs) - set(OPTION_DEFAULTS))
+    if unknown:
+        raise TypeError(
+            f"router_kwargs has unknown option(s) {unknown}; allowed: {sorted(OPTION_DEFAULTS)}"
+        )
+    merged = dict(given)
+    for key, value in router_kwargs.items():
+        if given[key] is not OPTION_DEFAULTS[key] and given[key] != OPTION_DEFAULTS[key]:
+            raise TypeError(f"option {key!r} given both as an argument and in router_kwargs")
+        merged[key] = value
+    return merged
+
+
 def new_token() -> str:
     """A lease token: unique across processes (never from the tie-break RNG, which tests seed)."""
     return os.urandom(8).hex()
@@ -153,19 +185,31 @@ class BalancerCore:
         if servers:
             yield from self.add_servers(servers)
 
-    def acquire(self, request_ids: list[str], tokens: list[str] | None = None) -> Op[list[Grant]]:
+    def acquire(
+        self,
+        request_ids: list[str],
+        tokens: list[str] | None = None,
+        *,
+        script: Script | None = None,
+        extras: list[tuple[Any, ...]] | None = None,
+    ) -> Op[list[Grant]]:
+        """Route requests. Router plugins pass their own ``script`` (built on lib.lua's
+        acquire_all) and per-request ``extras`` that follow (request id, token, random)."""
         tokens = tokens or [new_token() for _ in request_ids]
         rand = self._getrandbits
         args: list[Any] = list(self._acquire_head)
-        for rid, token in zip(request_ids, tokens, strict=True):
-            args += (rid, token, rand(RAND_BITS))
-        raw = yield Call(self._scripts["acquire"], tuple(args))
+        if extras is None:
+            for rid, token in zip(request_ids, tokens, strict=True):
+                args += (rid, token, rand(RAND_BITS))
+        else:
+            for rid, token, extra in zip(request_ids, tokens, extras, strict=True):
+                args += (rid, token, rand(RAND_BITS), *extra)
+        raw = yield Call(script or self._scripts["acquire"], tuple(args))
         grants = []
         for i, rid in enumerate(request_ids):
             sid = _str(raw[3 * i])
-            grants.append(
-                Grant(sid, self.handle(sid, raw[3 * i + 1]), rid, tokens[i], raw[3 * i + 2] == 1)
-            )
+            sticky = raw[3 * i + 2] == 1
+            grants.append(Grant(sid, self.handle(sid, raw[3 * i + 1]), rid, tokens[i], sticky))
         return grants
 
     def release(self, server_id: str, request_id: str | None, token: str | None = None) -> Op[bool]:

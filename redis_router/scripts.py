@@ -50,9 +50,16 @@ def lua_dir() -> Path:
 
 @cache
 def load(name: str) -> Script:
-    base = lua_dir()
-    source = (base / "lib.lua").read_text() + "\n" + (base / f"{name}.lua").read_text()
-    return Script(name, source, hashlib.sha1(source.encode()).hexdigest())
+    """One of the library's scripts, by name (see NAMES)."""
+    return load_file(lua_dir() / f"{name}.lua")
+
+
+@cache
+def load_file(path: Path) -> Script:
+    """A script file with lib.lua prepended: router plugins ship theirs beside their module
+    and build on lib.lua's acquire_all, so leases and stickiness behave as in the core."""
+    source = (lua_dir() / "lib.lua").read_text() + "\n" + Path(path).read_text()
+    return Script(Path(path).stem, source, hashlib.sha1(source.encode()).hexdigest())
 
 
 def all_scripts() -> dict[str, Script]:
