@@ -228,3 +228,14 @@ def test_draining_replica_keeps_sticky_sessions_but_gets_no_new_ones(make_lb, r)
     invariants.check(r, lb.name)
     lb.undrain_servers(["s0"])
     assert lb.get_status()["draining_servers"] == []
+
+
+def test_lua_rng_is_why_entropy_comes_from_the_client(server, binary):
+    """On Redis 6.2 Lua's math.random gives the same value in every script call: a tie-break
+    built on it would send every new session to one replica (DESIGN.md)."""
+    with server.client() as c:
+        draws = {int(c.eval("return math.random(1, 1000000)", 0)) for _ in range(20)}
+    if binary.version_tuple < (7,):
+        assert len(draws) == 1
+    else:
+        assert len(draws) > 1
