@@ -2,16 +2,32 @@
 
 from .aio import AsyncLease, AsyncRedisLoadBalancer
 from .balancer import Lease, RedisLoadBalancer
-from .errors import ConfigMismatch, NoServersAvailable, RedisRouterError, RedisUnavailable
+from .client import RouterClient
+from .errors import (
+    ConfigMismatch,
+    NoServersAvailable,
+    RedisRouterError,
+    RedisUnavailable,
+    RouterConfigError,
+)
+from .loader import get_router_handle
+from .protocol import AsyncRequestLoadBalancer, RequestLoadBalancer
+from .verl import VerlRouter
 
 __all__ = [
     "AsyncLease",
     "AsyncRedisLoadBalancer",
+    "AsyncRequestLoadBalancer",
     "ConfigMismatch",
     "Lease",
     "NoServersAvailable",
     "RedisLoadBalancer",
     "RedisRouterError",
     "RedisUnavailable",
+    "RequestLoadBalancer",
+    "RouterClient",
+    "RouterConfigError",
+    "VerlRouter",
+    "get_router_handle",
 ]
 __version__ = "0.1.0"

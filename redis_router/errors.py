@@ -22,3 +22,10 @@ class RedisUnavailable(RedisRouterError, ConnectionError):
 class ConfigMismatch(RedisRouterError, ValueError):
     """This process's settings disagree with the ones pinned in Redis by the balancer's first
     process (all processes of one balancer must share them)."""
+
+
+class RouterConfigError(RedisRouterError, ValueError):
+    """A router could not be loaded: a missing or malformed config file, a missing
+    ``router_class``, a module or class that cannot be found, or a class that does not
+    implement :class:`~redis_router.RequestLoadBalancer`. The message names what was wrong and
+    what to fix."""

@@ -1,0 +1,53 @@
+-- least_tokens.lua: route new sessions to the replica with the fewest in-flight prompt tokens.
+-- lib.lua is prepended (scripts.load_file): leases, stickiness and reaping are the core's.
+-- KEYS[1]  key prefix "rr:{NAME}:"
+-- ARGV[1..6] as acquire.lua (lease ttl, sticky bucket width, sticky ttl, buckets to search
+--          back, 1 = full_determinism, reap budget)
+-- ARGV[7..] quads: request id, lease token, random integer (tie-break), weight (prompt tokens,
+--          an integer >= 0)
+-- Returns  as acquire.lua: per request, server id, JSON metadata, 0 balanced / 1 sticky / 2 retry.
+-- Keeps    I1-I7 as acquire.lua (acquire_all), plus: P.."weighted" holds, per replica, the sum
+--          of the weights of its live leases, and P.."weights" the weight of each weighed
+--          lease. Every path that ends a lease (release, reap, remove) goes through lib.lua's
+--          drop_lease, which subtracts the weight, so the sums stay exact.
+-- Choice   least in-flight tokens among the replicas taking new sessions (in P.."load"; a
+--          draining replica gets only its sticky sessions); ties uniformly at random from the
+--          client's integer (never Lua's RNG, DESIGN.md). O(log N) while no replica drains;
+--          O(N) while one does (the draining ones must be skipped). full_determinism routes by
+--          rendezvous hashing, as the core does (I5).
+local deterministic = ARGV[5] == '1'
+local W, L = P .. 'weighted', P .. 'load'
+
+local function least_weighted(rand)
+  local n = redis.call('ZCARD', L)
+  if n == 0 then return nil end
+  if redis.call('ZCARD', P .. 'draining') == 0 and redis.call('ZCARD', W) == n then
+    -- `weighted` holds exactly the pool, and the pool is `load`: rank it directly.
+    local first = redis.call('ZRANGE', W, 0, 0, 'WITHSCORES')
+    local ties = redis.call('ZCOUNT', W, first[2], first[2])
+    local r = rand % ties
+    if r == 0 then return first[1] end
+    return redis.call('ZRANGE', W, r, r)[1]
+  end
+  local best, ties = nil, {}
+  for _, id in ipairs(redis.call('ZRANGE', L, 0, -1)) do
+    local w = tonumber(redis.call('ZSCORE', W, id) or 0)
+    if best == nil or w < best then
+      best, ties = w, { id }
+    elseif w == best then
+      ties[#ties + 1] = id
+    end
+  end
+  return ties[rand % #ties + 1]
+end
+
+return acquire_all(4, function(i)
+  if deterministic then return rendezvous(ARGV[i]) end
+  return least_weighted(tonumber(ARGV[i + 2]))
+end, function(i, id, token)
+  local n = tonumber(ARGV[i + 3])
+  if n > 0 then
+    redis.call('HSET', P .. 'weights', token, n)
+    redis.call('ZINCRBY', W, n, id)
+  end
+end)

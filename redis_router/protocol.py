@@ -1,0 +1,96 @@
+"""The router interface: what every balancer and router plugin implements.
+
+Structural typing (``typing.Protocol``), as in verl's ``router.py``: a plugin needs no base
+class and no import from this library, only these ten methods. ``isinstance`` checks that
+they exist (runtime-checkable protocols cannot check signatures).
+
+An asyncio implementation (:class:`~redis_router.AsyncRedisLoadBalancer`) satisfies
+:class:`RequestLoadBalancer` at runtime with coroutine methods;
+:class:`AsyncRequestLoadBalancer` spells out those signatures for type checkers.
+:class:`~redis_router.RouterClient` drives either kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+METHODS = (
+    "require_acquire_fields",
+    "require_release_fields",
+    "acquire_server",
+    "release_server",
+    "add_servers",
+    "remove_servers",
+    "get_all_servers",
+    "get_status",
+    "clear_sticky_cache",
+    "get_total_inflight",
+)
+"""The method names of the protocol, for error messages that list what a class lacks."""
+
+
+@runtime_checkable
+class RequestLoadBalancer(Protocol):
+    """A load balancer for inference replicas (seed document 001).
+
+    ``acquire_server`` routes and counts a request in one atomic call and returns
+    ``(server_id, handle)``; ``release_server`` ends it. Routers that need request data
+    (``prompt_ids`` for a cache- or token-aware router) declare the names in
+    ``require_acquire_fields`` / ``require_release_fields``; clients send only those.
+    """
+
+    def require_acquire_fields(self) -> list[str]: ...
+
+    def require_release_fields(self) -> list[str]: ...
+
+    def acquire_server(self, request_id: str, **fields: Any) -> tuple[str, Any]: ...
+
+    def release_server(
+        self, server_id: str, request_id: str | None = None, **fields: Any
+    ) -> Any: ...
+
+    def add_servers(self, servers: Mapping[str, Any]) -> Any: ...
+
+    def remove_servers(self, server_ids: list[str]) -> Any: ...
+
+    def get_all_servers(self) -> list[str]: ...
+
+    def get_status(self) -> dict[str, Any]: ...
+
+    def clear_sticky_cache(self) -> Any: ...
+
+    def get_total_inflight(self) -> int: ...
+
+
+@runtime_checkable
+class AsyncRequestLoadBalancer(Protocol):
+    """:class:`RequestLoadBalancer` with coroutine methods (the field declarations may be
+    plain methods or coroutines; clients accept both)."""
+
+    def require_acquire_fields(self) -> Any: ...
+
+    def require_release_fields(self) -> Any: ...
+
+    async def acquire_server(self, request_id: str, **fields: Any) -> tuple[str, Any]: ...
+
+    async def release_server(
+        self, server_id: str, request_id: str | None = None, **fields: Any
+    ) -> Any: ...
+
+    async def add_servers(self, servers: Mapping[str, Any]) -> Any: ...
+
+    async def remove_servers(self, server_ids: list[str]) -> Any: ...
+
+    async def get_all_servers(self) -> list[str]: ...
+
+    async def get_status(self) -> dict[str, Any]: ...
+
+    async def clear_sticky_cache(self) -> Any: ...
+
+    async def get_total_inflight(self) -> int: ...
+
+
+def missing_methods(obj: object) -> list[str]:
+    """The protocol methods ``obj`` (a class or an instance) lacks or has as non-callables."""
+    return [m for m in METHODS if not callable(getattr(obj, m, None))]
