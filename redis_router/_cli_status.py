@@ -1,0 +1,131 @@
+"""`redis-router status`: the replicas, their load and sessions, and which are safe to remove."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from typing import Any
+
+from ._cli_common import open_balancer, snapshot
+from .errors import RedisUnavailable
+
+COLUMNS = (
+    ("REPLICA", None),
+    ("STATE", None),
+    ("IN-FLIGHT", "inflight"),
+    ("LEASES", "live_leases"),
+    ("SESSIONS", "sticky_sessions"),
+    ("ACQUIRES", "acquires"),
+    ("STICKY HITS", "sticky_hits"),
+    ("RECLAIMED", "reclaimed"),
+    ("METADATA", None),
+)
+META_WIDTH = 40
+CLEAR = "\033[H\033[2J"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = (
+        "States: active (takes new sessions), draining (serves only its sticky sessions), "
+        "drained (draining with nothing in flight: safe to remove). LEASES counts unexpired "
+        "leases; IN-FLIGHT above LEASES means expired leases await `redis-router reap`."
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    parser.add_argument(
+        "--watch", action="store_true", help="redraw every --interval seconds until Ctrl-C"
+    )
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="seconds between redraws with --watch (default: 1)",
+    )
+
+
+def _meta(value: Any) -> str:
+    if value is None:
+        return ""
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    return text if len(text) <= META_WIDTH else text[: META_WIDTH - 3] + "..."
+
+
+def _cli(snap: dict[str, Any]) -> str:
+    """The command prefix that targets this balancer (for hints the user can paste)."""
+    name = snap["balancer"]
+    return "redis-router" + ("" if name == "default" else f" --name {shlex.quote(name)}")
+
+
+def render(snap: dict[str, Any], *, clock: str | None = None) -> str:
+    """The status table, its totals row and hints on what to do next."""
+    head = f"balancer {snap['balancer']!r} at {snap['redis']} · sticky_ttl {snap['sticky_ttl']:g}s"
+    lines = [head + (f" · {clock}" if clock else "")]
+    rows = [[title for title, _ in COLUMNS]]
+    for sid, r in snap["replicas"].items():
+        rows.append([sid, r["state"], *(str(r[f]) for _, f in COLUMNS[2:-1]), _meta(r["metadata"])])
+    t = snap["totals"]
+    rows.append(["TOTAL", f"{t['replicas']} replicas", *(str(t[f]) for _, f in COLUMNS[2:-1]), ""])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    for row in rows:
+        cells = [
+            cell.rjust(w) if 2 <= i < len(COLUMNS) - 1 else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    lines.append(f"{t['active']} active, {t['draining']} draining, {t['drained']} drained")
+    lines += hints(snap)
+    return "\n".join(lines)
+
+
+def hints(snap: dict[str, Any]) -> list[str]:
+    cli, t, replicas = _cli(snap), snap["totals"], snap["replicas"]
+    out = []
+    if not replicas:
+        out.append(f"no replicas: register one with `{cli} servers add ID --meta JSON`")
+    elif t["active"] == 0:
+        out.append("no replica takes new sessions: new sessions fail until one is undrained")
+    drained = [sid for sid, r in replicas.items() if r["state"] == "drained"]
+    if drained:
+        ids = " ".join(shlex.quote(s) for s in drained)
+        out.append(f"safe to remove (drained, nothing in flight): `{cli} servers remove {ids}`")
+    expired = t["inflight"] - t["live_leases"]
+    if expired > 0:
+        out.append(f"{expired} expired lease(s) still counted in flight: `{cli} reap`")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.interval > 0:
+        raise ValueError(f"--interval must be > 0 seconds, got {args.interval:g}")
+    with open_balancer(args) as lb:
+        if not args.watch:
+            snap = snapshot(lb)
+            print(json.dumps(snap) if args.json else render(snap))
+            return 0
+        return _watch(lb, args)
+
+
+def _watch(lb: Any, args: argparse.Namespace) -> int:
+    """Redraw until Ctrl-C: in place on a terminal, else one frame (or JSON line) after another.
+    A Redis outage is shown in the frame and retried; it does not end the watch."""
+    tty = sys.stdout.isatty()
+    try:
+        while True:
+            clock = time.strftime("%H:%M:%S")
+            try:
+                snap = snapshot(lb)
+                frame = json.dumps(snap) if args.json else render(snap, clock=clock)
+            except RedisUnavailable as exc:
+                frame = json.dumps({"error": str(exc)}) if args.json else f"{clock} {exc}"
+            if args.json:
+                print(frame, flush=True)
+            elif tty:
+                print(CLEAR + frame + "\n\n(Ctrl-C to stop)", flush=True)
+            else:
+                print(frame + "\n", flush=True)
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,128 @@
+"""`redis-router`: see and steer a balancer without writing Python.
+
+Each subcommand is a module with ``add_arguments(parser)`` and ``run(args) -> int``, listed
+in :data:`COMMANDS` and imported only when chosen, so ``redis-router --help`` stays fast and
+a missing optional extra (matplotlib, prometheus_client) only affects its own command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from redis import exceptions as rx
+
+from ._cli_common import CliError, one_line, unreachable, url_of
+from .connection import DEFAULT_URL, redact
+from .errors import RedisRouterError, RedisUnavailable
+
+
+class Command(NamedTuple):
+    module: str
+    help: str
+
+
+# Adding a subcommand is one entry here plus its module.
+COMMANDS: dict[str, Command] = {
+    "status": Command("redis_router._cli_status", "show replicas, load, sessions and draining"),
+    "servers": Command("redis_router._cli_servers", "add, remove, drain or undrain replicas"),
+    "sessions": Command("redis_router._cli_sessions", "manage sticky sessions"),
+    "reap": Command("redis_router._cli_reap", "reclaim expired leases now"),
+    "demo": Command("redis_router.demo", "run simulated agent sessions, old vs new tie-break"),
+    "exporter": Command("redis_router.exporter", "serve Prometheus metrics over HTTP"),
+    # "simulate": Command("redis_router.simulate", "..."),  # the lead adds it here
+}
+
+
+def _add_globals(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
+    """--redis and --name, accepted before or after the subcommand (after wins)."""
+    default = argparse.SUPPRESS if suppress else None
+    parser.add_argument(
+        "--redis",
+        metavar="URL",
+        default=default,
+        help=f"Redis URL (default: $REDIS_URL, else {DEFAULT_URL}); redis://, rediss://, "
+        "unix://, redis+sentinel://, redis+cluster://",
+    )
+    parser.add_argument(
+        "--name",
+        metavar="NAME",
+        default=argparse.SUPPRESS if suppress else "default",
+        help="balancer name, as given to RedisLoadBalancer(name=...) (default: default)",
+    )
+
+
+def _chosen_command(argv: Sequence[str]) -> str | None:
+    """The subcommand named in argv, found with the global options' arity in mind."""
+    pre = argparse.ArgumentParser(add_help=False)
+    _add_globals(pre, suppress=False)
+    pre.add_argument("command", nargs="?")
+    try:
+        known, _ = pre.parse_known_args(argv)
+    except SystemExit:
+        return None
+    return known.command if known.command in COMMANDS else None
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The full parser; only the chosen subcommand's module is imported."""
+    parser = argparse.ArgumentParser(
+        prog="redis-router",
+        description="See and steer a redis-router balancer, run the demo, export metrics.",
+        epilog="Run `redis-router COMMAND --help` for a command's options.",
+    )
+    _add_globals(parser, suppress=False)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = _chosen_command(argv)
+    for name, cmd in COMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help[0].upper() + cmd.help[1:])
+        _add_globals(p, suppress=True)
+        if name == chosen:
+            module = importlib.import_module(cmd.module)
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
+    return parser
+
+
+def _fail(message: str, secret: str | None) -> int:
+    line = one_line(message)
+    if secret:
+        line = line.replace(secret, "***")
+    print(f"redis-router: error: {line}", file=sys.stderr)
+    return 1
+
+
+def _password(url: str) -> str | None:
+    """The URL's password, so that no error message can echo it."""
+    from urllib.parse import urlsplit
+
+    try:
+        return urlsplit(url).password or None
+    except ValueError:
+        return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    url = url_of(args)
+    secret = _password(url)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except CliError as exc:
+        return _fail(str(exc), secret)
+    except RedisUnavailable as exc:  # its message already names the (redacted) URL
+        return _fail(str(exc), secret)
+    except (rx.ConnectionError, rx.TimeoutError) as exc:
+        return _fail(str(unreachable(url, exc)), secret)
+    except (RedisRouterError, rx.RedisError, ValueError, TypeError, OSError) as exc:
+        return _fail(redact(str(exc)), secret)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""`redis-router exporter`: Prometheus metrics of one balancer, read fresh on every scrape.
+
+A custom collector runs one status script per scrape (no background loop, so the numbers are
+never staler than the scrape and an idle exporter costs Redis nothing). Per replica, labelled
+``balancer`` and ``replica``:
+
+    redis_router_inflight                 gauge    requests in flight (leases counted)
+    redis_router_draining                 gauge    1 while the replica takes no new sessions
+    redis_router_live_leases              gauge    unexpired leases (below inflight: reap due)
+    redis_router_sticky_sessions          gauge    live sticky sessions pinned to the replica
+    redis_router_acquires_total           counter  requests routed to the replica
+    redis_router_sticky_hits_total        counter  of which, later turns of a sticky session
+    redis_router_reclaimed_leases_total   counter  expired leases reclaimed (holders died)
+
+and per balancer ``redis_router_up`` (1 if Redis answered this scrape) and
+``redis_router_replicas``. Counters restart at 0 when a replica is removed and re-added, which
+Prometheus's rate() treats as a counter reset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from redis import exceptions as rx
+
+from . import validation
+from ._cli_common import CliError, natural_key, pinned_sticky_ttl, unreachable, url_of
+from .balancer import RedisLoadBalancer
+from .connection import connect, redact
+from .errors import ConfigMismatch, RedisUnavailable
+
+DEFAULT_PORT = 9464
+
+GAUGES = (
+    ("inflight", "inflight", "Requests in flight on the replica (one per lease)."),
+    ("draining", "draining", "1 while the replica is draining: no new sessions, sticky ones only."),
+    ("live_leases", "live_leases", "Unexpired leases on the replica."),
+    ("sticky_sessions", "sticky_sessions", "Live sticky sessions pinned to the replica."),
+)
+COUNTERS = (
+    ("acquires", "acquires", "Requests routed to the replica."),
+    ("sticky_hits", "sticky_hits", "Requests routed to the replica by their sticky session."),
+    ("reclaimed_leases", "reclaimed", "Expired leases on the replica reclaimed by the balancer."),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Serve Prometheus metrics of the balancer on http://ADDR:PORT/metrics, read from Redis "
+        "on each scrape. Needs prometheus_client: pip install 'redis-router[metrics]'."
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"TCP port (default {DEFAULT_PORT}); 0 picks a free one and prints it",
+    )
+    parser.add_argument("--addr", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
+
+
+class BalancerCollector:
+    """Reads the balancer's status on each collect(); Redis errors become redis_router_up 0."""
+
+    def __init__(self, url: str, name: str) -> None:
+        self.url, self.name = url, validation.name(name)
+        self._client = connect(url)
+        self._lb: RedisLoadBalancer | None = None
+        self._ttl: float | None = None
+
+    def status(self) -> dict[str, Any] | None:
+        """The balancer's status, None if it does not exist (yet).
+
+        The balancer object is rebuilt when the pinned sticky_ttl changes (the balancer was
+        destroyed and recreated), since status counts sessions in sticky_ttl-sized buckets."""
+        ttl = pinned_sticky_ttl(self._client, self.name)
+        if ttl is None:
+            return None
+        if self._lb is None or ttl != self._ttl:
+            try:
+                self._lb = RedisLoadBalancer(redis=self._client, name=self.name, sticky_ttl=ttl)
+            except ConfigMismatch:
+                return None  # recreated between our read and the construction: next scrape
+            self._ttl = ttl
+        return self._lb.get_status()
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        up = GaugeMetricFamily(
+            "redis_router_up", "1 if Redis answered this scrape.", labels=["balancer"]
+        )
+        try:
+            status = self.status()
+        except (rx.RedisError, RedisUnavailable) as exc:
+            print(f"redis-router exporter: {unreachable(self.url, exc)}", file=sys.stderr)
+            up.add_metric([self.name], 0)
+            yield up
+            return
+        up.add_metric([self.name], 1)
+        yield up
+        raw = status["replicas"] if status else {}
+        replicas = {sid: raw[sid] for sid in sorted(raw, key=natural_key)}
+        count = GaugeMetricFamily(
+            "redis_router_replicas", "Replicas in the pool.", labels=["balancer"]
+        )
+        count.add_metric([self.name], len(replicas))
+        yield count
+        labels = ["balancer", "replica"]
+        for metric, field, text in GAUGES:
+            g = GaugeMetricFamily(f"redis_router_{metric}", text, labels=labels)
+            for sid, r in replicas.items():
+                g.add_metric([self.name, sid], float(r[field]))
+            yield g
+        for metric, field, text in COUNTERS:
+            c = CounterMetricFamily(f"redis_router_{metric}", text, labels=labels)
+            for sid, r in replicas.items():
+                c.add_metric([self.name, sid], float(r[field]))
+            yield c
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError:
+        raise CliError(
+            "the exporter needs prometheus_client: pip install 'redis-router[metrics]'"
+        ) from None
+    if not 0 <= args.port <= 65535:
+        raise CliError(f"--port must be between 0 and 65535, got {args.port}")
+    url = url_of(args)
+    collector = BalancerCollector(url, args.name)
+    try:
+        exists = collector.status() is not None
+    except (rx.RedisError, RedisUnavailable) as exc:
+        collector.close()
+        raise unreachable(url, exc) from None
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    try:
+        server, thread = start_http_server(args.port, addr=args.addr, registry=registry)
+    except OSError as exc:
+        collector.close()
+        raise CliError(f"cannot listen on {args.addr}:{args.port}: {exc.strerror or exc}") from None
+    host = server.server_address[0]
+    print(
+        f"serving metrics of balancer {collector.name!r} at {redact(url)} on "
+        f"http://{host}:{server.server_port}/metrics",
+        flush=True,
+    )
+    if not exists:
+        print(
+            f"note: balancer {collector.name!r} does not exist yet; its replicas appear once a "
+            "worker or `redis-router servers add` creates it",
+            file=sys.stderr,
+            flush=True,
+        )
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+        collector.close()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
