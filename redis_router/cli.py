@@ -33,7 +33,9 @@ COMMANDS: dict[str, Command] = {
     "reap": Command("redis_router._cli_reap", "reclaim expired leases now"),
     "demo": Command("redis_router.demo", "run simulated agent sessions, old vs new tie-break"),
     "exporter": Command("redis_router.exporter", "serve Prometheus metrics over HTTP"),
-    # "simulate": Command("redis_router.simulate", "..."),  # the lead adds it here
+    "simulate": Command(
+        "redis_router.simulate", "compare routers on simulated replicas with KV caches"
+    ),
 }
 
 

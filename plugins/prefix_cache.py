@@ -1,0 +1,479 @@
+"""Prefix-cache-aware routing: send a request to the replica that already holds the longest
+prefix of its prompt in its KV cache, unless that would unbalance the pool.
+
+Why: recomputing a prompt prefix that another replica already has is the biggest avoidable
+cost in LLM serving. Multi-turn sessions are served by stickiness; GRPO-style groups (one
+prompt sampled n times under n request ids) and shared system prompts are not: a least-loaded
+balancer scatters them over the pool, and every replica recomputes the same prefix.
+
+Algorithm (the policy of SGLang's cache-aware router, on an approximate index in Redis):
+
+1. The client cuts ``prompt_ids`` into blocks of ``block_size`` tokens (a trailing partial
+   block is ignored) and hashes them in a chain, as vLLM's prefix caching does: the hash at
+   depth i covers the hash before it and the tokens since (blake2b, 64 bits, seeded with the
+   block size; never Python's ``hash()``), so one hash names a whole prefix and a replica that
+   received depth i also received every depth < i. Only a grid of depths is hashed and indexed
+   (every block up to 8, then four per doubling, plus the prompt's own length: 21 hashes for
+   4k tokens), so acquire costs O(log n) and a cached prefix is found to within 1/8 of its
+   length; an identical prompt (a GRPO group) matches in full.
+2. One atomic script (``prefix_cache.lua``, on lib.lua's ``acquire_all``) routes: a retry or a
+   sticky session goes where the core sends it. A new session goes to the least-loaded replica
+   (random tie-break with client entropy) when the pool is *imbalanced*: ``max - min >
+   balance_abs_threshold`` and ``max > balance_rel_threshold * min``, over the in-flight counts
+   of the replicas taking new sessions. Otherwise a binary search over the chain finds the
+   deepest hash some live replica (in the pool, not draining) received within ``index_ttl``;
+   if it covers at least ``min_match`` of the prompt's blocks, the least loaded of those
+   replicas wins (random tie-break), else the least loaded of the pool.
+3. The same script records the prompt's hashes for the chosen replica (also on sticky turns;
+   those it received in the last ``index_ttl / 16`` are not rewritten, so a hot prefix costs
+   reads only), then trims the index: at most ``max_index_blocks`` hashes (least recently used
+   go first) and hashes unseen for ``index_ttl`` are dropped a few per call. Keys: see
+   ``prefix_cache_index.lua`` (``rr:{NAME}:pc:b:<hash>`` and ``rr:{NAME}:pc:lru``).
+
+The index is approximate: it assumes a replica keeps what it was sent for ``index_ttl``.
+Exact mode: set ``record_on_acquire: false`` and feed the replicas' KV-cache events through
+:meth:`PrefixCacheRouter.record_blocks` / :meth:`~PrefixCacheRouter.evict_blocks`, with hashes
+made by :meth:`~PrefixCacheRouter.block_hashes` from the blocks' token ids (vLLM's
+``BlockStored`` events carry them); a router block counts as held once all its tokens are.
+
+Options (YAML keys beside ``router_class``, or keyword arguments; the core's options such as
+``redis``, ``name``, ``sticky_ttl``, ``lease_ttl`` pass through):
+
+- ``block_size`` (32): tokens per block; a match shorter than one block is ignored.
+- ``balance_abs_threshold`` (4) and ``balance_rel_threshold`` (1.2): the pool counts as
+  imbalanced, and prefixes are ignored, only when both are exceeded. At high load the relative
+  one keeps max/min in-flight near 1.2; the absolute one stops small counts (0 vs 3) from
+  flapping. SGLang's defaults (32, 1.0001) rely on the absolute one and suit servers with
+  hundreds of requests each.
+- ``min_match`` (0.5): smallest fraction of the prompt's blocks a cached prefix must cover to
+  override least-loaded (SGLang's ``cache_threshold``).
+- ``index_ttl`` (600 s): how long a replica is assumed to keep a block it received.
+- ``max_index_blocks`` (100_000): bound on the index, in hashes; about 250 bytes per hash
+  plus ~40 per replica holding it.
+- ``max_prompt_blocks`` (1024): blocks of a prompt looked at (32k tokens); later ones ignored.
+- ``record_on_acquire`` (true): record blocks on acquire (approximate mode); false for exact
+  mode.
+
+Under ``full_determinism`` new sessions are placed by rendezvous hashing as in the core (I5).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import sys
+import threading
+from array import array
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from redis_router import AsyncLease, AsyncRedisLoadBalancer, Lease, RedisLoadBalancer, validation
+from redis_router.core import REAP_BUDGET, BalancerCore, Call, Grant, Op
+from redis_router.scripts import Script, lua_dir
+
+__all__ = [
+    "AsyncPrefixCacheRouter",
+    "PrefixCacheRouter",
+    "PrefixSettings",
+    "chain_hashes",
+    "sample_depths",
+]
+
+HASH_CHARS = 16  # hex characters per block hash (64 bits), as prefix_cache_index.lua's HW
+MAX_BLOCKS_PER_CALL = 1024  # as prefix_cache_index.lua's LRU_SCALE
+_HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class PrefixSettings:
+    """The router's own options, validated before anything is sent (I8)."""
+
+    block_size: int = 32
+    balance_abs_threshold: float = 4
+    balance_rel_threshold: float = 1.2
+    min_match: float = 0.5
+    index_ttl: float = 600.0
+    max_index_blocks: int = 100_000
+    max_prompt_blocks: int = 1024
+    record_on_acquire: bool = True
+
+    def __post_init__(self) -> None:
+        _int(self.block_size, "block_size", 1)
+        _int(self.max_index_blocks, "max_index_blocks", 1)
+        _int(self.max_prompt_blocks, "max_prompt_blocks", 1, 1 << 20)
+        _number(self.balance_abs_threshold, "balance_abs_threshold", 0)
+        _number(self.balance_rel_threshold, "balance_rel_threshold", 1)
+        _number(self.min_match, "min_match", 0, 1)
+        validation.seconds(self.index_ttl, "index_ttl")
+        if not isinstance(self.record_on_acquire, bool):
+            raise TypeError(
+                f"record_on_acquire must be a bool, got {type(self.record_on_acquire).__name__}"
+            )
+
+    @property
+    def ttl_ms(self) -> int:
+        return max(1, round(self.index_ttl * 1000))
+
+    def lua(self) -> str:
+        """The settings argument of prefix_cache.lua."""
+        return (
+            f"{self.balance_abs_threshold!r} {self.balance_rel_threshold!r} {self.min_match!r} "
+            f"{self.ttl_ms} {self.max_index_blocks} {REAP_BUDGET * 4} "
+            f"{int(self.record_on_acquire)} {max(1, self.ttl_ms // 16)}"
+        )
+
+
+OPTION_NAMES = frozenset(PrefixSettings.__dataclass_fields__)
+
+
+def _int(value: object, arg: str, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{arg} must be an int, got {type(value).__name__}")
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{arg} must be {bound}, got {value}")
+
+
+def _number(value: object, arg: str, low: float, high: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{arg} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{arg} must be a finite number {bound}, got {value!r}")
+
+
+def sample_depths(blocks: int) -> list[int]:
+    """The depths (in blocks) of a prompt the index keeps: every depth up to 8, then four per
+    doubling (10, 12, 14, 16, 20, 24, ...), then the prompt's own length. Every prompt shares
+    the grid, so a cached prefix is found to within 1/8 of its length with O(log n) hashes."""
+    out, j = [], 1
+    while j <= blocks:
+        out.append(j)
+        j += 1 << max(0, j.bit_length() - 3)
+    if out and out[-1] != blocks:
+        out.append(blocks)
+    return out
+
+
+def chain_hashes(
+    prompt_ids: Sequence[int], block_size: int, limit: int
+) -> tuple[list[int], list[str]]:
+    """The sampled depths of ``prompt_ids`` (full blocks, at most ``limit``) and their chained
+    hashes: the hash at a depth covers the previous one and the tokens since, so one hash names
+    a whole prefix (blake2b, stable across processes and machines; never ``hash()``)."""
+    try:
+        ids = array("I", prompt_ids)  # 4 bytes a token: a third of the cost of 8
+        seed = b"I"
+    except OverflowError:  # a negative id or one >= 2**32: its own namespace of hashes
+        ids, seed = array("q", prompt_ids), b"q"
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"prompt_ids must be a sequence of token ids (ints), got {type(prompt_ids).__name__}"
+        ) from None
+    if seed == b"I" and ids.itemsize != 4:  # array's C types vary by platform; hashes must not
+        ids, seed = array("q", ids), b"q"
+    if sys.byteorder != "little":
+        ids.byteswap()
+    raw = memoryview(ids.tobytes())
+    step = block_size * ids.itemsize
+    depths = sample_depths(min(len(ids) // block_size, limit))
+    parent, last, out = seed + block_size.to_bytes(8, "little"), 0, []
+    for d in depths:
+        h = hashlib.blake2b(parent, digest_size=8, person=b"rr-prefix")
+        h.update(raw[last * step : d * step])
+        parent, last = h.digest(), d
+        out.append(parent.hex())
+    return depths, out
+
+
+def _check_hashes(block_hashes: object) -> str:
+    if isinstance(block_hashes, (str, bytes)) or not isinstance(block_hashes, Sequence):
+        raise TypeError("block_hashes must be a list of hashes from block_hashes()")
+    if len(block_hashes) > MAX_BLOCKS_PER_CALL:
+        raise ValueError(
+            f"at most {MAX_BLOCKS_PER_CALL} block hashes per call, got {len(block_hashes)}; "
+            "split the event"
+        )
+    for h in block_hashes:
+        if not isinstance(h, str) or len(h) != HASH_CHARS or h.strip("0123456789abcdef"):
+            raise ValueError(
+                f"block hash {h!r} is not {HASH_CHARS} lowercase hex characters; make hashes "
+                "with the router's block_hashes(token_ids)"
+            )
+    return "".join(block_hashes)
+
+
+@cache
+def _script(name: str) -> Script:
+    """lib.lua + the index helpers + one of this plugin's scripts."""
+    parts = (lua_dir() / "lib.lua", _HERE / "prefix_cache_index.lua", _HERE / f"{name}.lua")
+    source = "\n".join(p.read_text() for p in parts)
+    return Script(name, source, hashlib.sha1(source.encode()).hexdigest())
+
+
+def _split_options(
+    explicit: Mapping[str, Any], router_kwargs: Mapping[str, Any] | None
+) -> tuple[PrefixSettings, dict[str, Any] | None]:
+    """This router's options (from keyword arguments or router_kwargs, not both) and the
+    router_kwargs left for the core."""
+    given = {k: v for k, v in explicit.items() if v is not None}
+    if router_kwargs is None:
+        return PrefixSettings(**given), None
+    if not isinstance(router_kwargs, Mapping):
+        raise TypeError(f"router_kwargs must be a mapping, got {type(router_kwargs).__name__}")
+    rest = dict(router_kwargs)
+    for key in OPTION_NAMES & set(rest):
+        if key in given:
+            raise TypeError(f"option {key!r} given both as an argument and in router_kwargs")
+        given[key] = rest.pop(key)
+    return PrefixSettings(**given), rest
+
+
+class _PrefixOps:
+    """The sans-IO operations both twins share: pack prompts, call the scripts, decode."""
+
+    _core: BalancerCore
+    settings: PrefixSettings
+    _lua_settings: str
+
+    def block_hashes(self, prompt_ids: Sequence[int]) -> list[str]:
+        """The index's hashes of a prompt (what exact mode records for the tokens a replica
+        holds): one per sampled depth, see :func:`sample_depths`."""
+        s = self.settings
+        return chain_hashes(prompt_ids, s.block_size, s.max_prompt_blocks)[1]
+
+    def _prompt_args(self, prompt_ids: Sequence[int] | None) -> tuple[str, str, str]:
+        if prompt_ids is None:
+            return self._lua_settings, "", ""
+        s = self.settings
+        depths, hashes = chain_hashes(prompt_ids, s.block_size, s.max_prompt_blocks)
+        return self._lua_settings, "".join(hashes), " ".join(map(str, depths))
+
+    def require_acquire_fields(self) -> list[str]:
+        return ["prompt_ids"]
+
+    def require_release_fields(self) -> list[str]:
+        return []
+
+    def _acquire_op(
+        self,
+        request_ids: list[str],
+        prompts: Sequence[Sequence[int] | None],
+        tokens: list[str] | None = None,
+    ) -> Op[list[Grant]]:
+        extras = [self._prompt_args(p) for p in prompts]
+        return self._core.acquire(
+            request_ids, tokens, script=_script("prefix_cache"), extras=extras
+        )
+
+    def _blocks_op(self, mode: str, server_id: str, block_hashes: Sequence[str]) -> Op[int]:
+        sid = validation.server_id(server_id)
+        joined = _check_hashes(block_hashes)
+        s = self.settings
+        args = (mode, sid, joined, s.ttl_ms, s.max_index_blocks, REAP_BUDGET * 4)
+        return int((yield Call(_script("prefix_cache_record"), args)))
+
+    def _clear_op(self) -> Op[int]:
+        return int((yield Call(_script("prefix_cache_clear"), ())))
+
+
+class PrefixCacheRouter(_PrefixOps, RedisLoadBalancer):
+    """A :class:`~redis_router.RedisLoadBalancer` that routes new sessions to the replica
+    holding the longest prefix of their prompt (see the module docstring)."""
+
+    def __init__(
+        self,
+        servers: Mapping[str, Any] | None = None,
+        *,
+        router_kwargs: Mapping[str, Any] | None = None,
+        block_size: int | None = None,
+        balance_abs_threshold: float | None = None,
+        balance_rel_threshold: float | None = None,
+        min_match: float | None = None,
+        index_ttl: float | None = None,
+        max_index_blocks: int | None = None,
+        max_prompt_blocks: int | None = None,
+        record_on_acquire: bool | None = None,
+        **options: Any,
+    ) -> None:
+        self.settings, rest = _split_options(
+            {k: v for k, v in locals().items() if k in OPTION_NAMES}, router_kwargs
+        )
+        self._lua_settings = self.settings.lua()
+        super().__init__(servers, router_kwargs=rest, **options)
+
+    def acquire_server(
+        self, request_id: str, prompt_ids: Sequence[int] | None = None, **fields: Any
+    ) -> tuple[str, Any]:
+        """Route a request: its sticky replica, else the holder of its longest cached prefix
+        (unless the pool is imbalanced), else the least loaded. Returns (id, handle)."""
+        rid = validation.request_id(request_id)
+        g = self._run(self._acquire_op([rid], [prompt_ids]))[0]
+        return g.server_id, g.handle
+
+    def acquire_many(
+        self, request_ids: list[str], prompt_ids: Sequence[Sequence[int] | None] | None = None
+    ) -> list[tuple[str, Any]]:
+        """Route many requests in one round trip (``prompt_ids``: one prompt per request)."""
+        rids = validation.request_ids(request_ids)
+        prompts = list(prompt_ids) if prompt_ids is not None else [None] * len(rids)
+        if len(prompts) != len(rids):
+            raise ValueError(f"{len(rids)} request ids but {len(prompts)} prompts")
+        return [(g.server_id, g.handle) for g in self._run(self._acquire_op(rids, prompts))]
+
+    def acquire(
+        self,
+        request_id: str,
+        *,
+        token: str | None = None,
+        prompt_ids: Sequence[int] | None = None,
+    ) -> Lease:
+        """Route a request and return its :class:`~redis_router.Lease` (``token``: a safe retry,
+        as in the core)."""
+        rid = validation.request_id(request_id)
+        tokens = [validation.request_id(token, "token")] if token is not None else None
+        return Lease(self, self._run(self._acquire_op([rid], [prompt_ids], tokens))[0])
+
+    @contextmanager
+    def lease(
+        self,
+        request_id: str,
+        *,
+        renew_every: float | None = None,
+        prompt_ids: Sequence[int] | None = None,
+    ) -> Iterator[Lease]:
+        """``with router.lease(rid, prompt_ids=ids) as lease:`` routes by prefix, releases once;
+        ``renew_every`` (seconds) renews from a background thread."""
+        if renew_every is not None:
+            validation.seconds(renew_every, "renew_every")
+        held = self.acquire(request_id, prompt_ids=prompt_ids)
+        stop = threading.Event()
+        keeper = None
+        if renew_every is not None:
+            keeper = threading.Thread(target=_renew, args=(held, stop, renew_every), daemon=True)
+            keeper.start()
+        try:
+            yield held
+        finally:
+            stop.set()
+            if keeper is not None:
+                keeper.join()
+            held.release()
+
+    def record_blocks(self, server_id: str, block_hashes: Sequence[str]) -> int:
+        """Exact mode: the replica now holds these blocks. Returns how many were recorded (0 if
+        the replica is not in the pool)."""
+        return self._run(self._blocks_op("record", server_id, block_hashes))
+
+    def evict_blocks(self, server_id: str, block_hashes: Sequence[str]) -> int:
+        """Exact mode: the replica dropped these blocks. Returns how many entries went."""
+        return self._run(self._blocks_op("evict", server_id, block_hashes))
+
+    def clear_index(self) -> int:
+        """Forget every recorded block (leases and sessions stay). Returns how many."""
+        return self._run(self._clear_op())
+
+    def destroy(self) -> int:
+        """Delete the index, then every key of the balancer. Returns how many keys went."""
+        return self.clear_index() + super().destroy()
+
+    def __repr__(self) -> str:
+        return f"PrefixCacheRouter(name={self.name!r}, redis={self.url!r})"
+
+
+class AsyncPrefixCacheRouter(_PrefixOps, AsyncRedisLoadBalancer):
+    """The asyncio twin of :class:`PrefixCacheRouter`: same options, scripts and keys."""
+
+    def __init__(
+        self,
+        servers: Mapping[str, Any] | None = None,
+        *,
+        router_kwargs: Mapping[str, Any] | None = None,
+        block_size: int | None = None,
+        balance_abs_threshold: float | None = None,
+        balance_rel_threshold: float | None = None,
+        min_match: float | None = None,
+        index_ttl: float | None = None,
+        max_index_blocks: int | None = None,
+        max_prompt_blocks: int | None = None,
+        record_on_acquire: bool | None = None,
+        **options: Any,
+    ) -> None:
+        self.settings, rest = _split_options(
+            {k: v for k, v in locals().items() if k in OPTION_NAMES}, router_kwargs
+        )
+        self._lua_settings = self.settings.lua()
+        super().__init__(servers, router_kwargs=rest, **options)
+
+    async def acquire_server(
+        self, request_id: str, prompt_ids: Sequence[int] | None = None, **fields: Any
+    ) -> tuple[str, Any]:
+        """Route a request (see PrefixCacheRouter.acquire_server). Returns (id, handle)."""
+        rid = validation.request_id(request_id)
+        g = (await self._run(self._acquire_op([rid], [prompt_ids])))[0]
+        return g.server_id, g.handle
+
+    async def acquire_many(
+        self, request_ids: list[str], prompt_ids: Sequence[Sequence[int] | None] | None = None
+    ) -> list[tuple[str, Any]]:
+        rids = validation.request_ids(request_ids)
+        prompts = list(prompt_ids) if prompt_ids is not None else [None] * len(rids)
+        if len(prompts) != len(rids):
+            raise ValueError(f"{len(rids)} request ids but {len(prompts)} prompts")
+        grants = await self._run(self._acquire_op(rids, prompts))
+        return [(g.server_id, g.handle) for g in grants]
+
+    async def acquire(
+        self,
+        request_id: str,
+        *,
+        token: str | None = None,
+        prompt_ids: Sequence[int] | None = None,
+    ) -> AsyncLease:
+        rid = validation.request_id(request_id)
+        tokens = [validation.request_id(token, "token")] if token is not None else None
+        return AsyncLease(self, (await self._run(self._acquire_op([rid], [prompt_ids], tokens)))[0])
+
+    @contextlib.asynccontextmanager
+    async def lease(
+        self, request_id: str, *, prompt_ids: Sequence[int] | None = None
+    ) -> AsyncIterator[AsyncLease]:
+        """``async with router.lease(rid, prompt_ids=ids) as lease:`` releases exactly once,
+        also when the task is cancelled after the lease was granted."""
+        held = await self.acquire(request_id, prompt_ids=prompt_ids)
+        try:
+            yield held
+        finally:
+            await held.release()
+
+    async def record_blocks(self, server_id: str, block_hashes: Sequence[str]) -> int:
+        return await self._run(self._blocks_op("record", server_id, block_hashes))
+
+    async def evict_blocks(self, server_id: str, block_hashes: Sequence[str]) -> int:
+        return await self._run(self._blocks_op("evict", server_id, block_hashes))
+
+    async def clear_index(self) -> int:
+        return await self._run(self._clear_op())
+
+    async def destroy(self) -> int:
+        return await self.clear_index() + await super().destroy()
+
+    def __repr__(self) -> str:
+        return f"AsyncPrefixCacheRouter(name={self.name!r}, redis={self.url!r})"
+
+
+def _renew(lease: Lease, stop: threading.Event, every: float) -> None:
+    """Renew until stopped or the lease is gone; a failed renew is retried next period."""
+    from redis_router import RedisUnavailable
+
+    while not stop.wait(every):
+        try:
+            if not lease.renew():
+                return
+        except RedisUnavailable:
+            continue

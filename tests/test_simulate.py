@@ -1,0 +1,53 @@
+"""The simulator: a --quick run drives every router through every workload and cleans up.
+No timing assertions: the figures depend on the machine; only structure and sanity."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+
+from redis_router import simulate
+
+
+def test_grpo_groups_share_a_prompt_under_distinct_request_ids():
+    jobs = simulate._jobs("grpo", seed=1, jobs=16, turns=1)
+    assert len(jobs) == 16 and all(len(job) == 1 for job in jobs)
+    for g in range(2):
+        group = [job[0] for job in jobs[g * 8 : (g + 1) * 8]]
+        assert len({t.request_id for t in group}) == 8
+        assert all(t.prompt == group[0].prompt for t in group)
+    assert jobs[0][0].prompt != jobs[8][0].prompt
+
+
+def test_multi_turn_session_extends_its_own_prompt():
+    (session,) = simulate._jobs("multi-turn", seed=1, jobs=1, turns=3)
+    assert len({t.request_id for t in session}) == 1
+    for before, after in itertools.pairwise(session):
+        assert after.prompt[: len(before.prompt) + len(before.output)] == (
+            before.prompt + before.output
+        )
+
+
+@pytest.mark.slow
+def test_quick_run_reports_every_router_and_workload(server, tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    assert simulate.main(["--quick", "--redis", server.url, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    routers, skipped = simulate.available_routers(list(simulate.ROUTERS))
+    assert skipped == [] and report["skipped"] == []
+    seen = {(r["workload"], r["router"]) for r in report["results"]}
+    assert seen == {(w, r) for w in simulate.WORKLOADS for r in routers}
+    for r in report["results"]:
+        assert 0.0 <= r["hit_rate"] <= 1.0
+        assert r["cached_tokens"] <= r["prompt_tokens"]
+        assert r["requests"] >= 48 and r["throughput"] > 0
+        assert math.isnan(r["balance"]) or r["balance"] >= 1.0
+    assert set(report["bench"]) == {"default", "prefix-cached", "prefix-unique"}
+    printed = capsys.readouterr().out
+    assert all(f"| {w} | {r} |" in printed for w, r in seen)
+    assert "GRPO:" in printed and "multi-turn:" in printed
+    with server.client() as c:  # every balancer and simulated replica was cleaned up
+        assert list(c.scan_iter(match="rr:*")) == [] and list(c.scan_iter(match="rrsim:*")) == []
