@@ -19,7 +19,6 @@ Use: ``get_router_handle(servers, "plugins/least_tokens.yaml")``, or the class d
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -62,18 +61,6 @@ def _acquire(
     return core.acquire(request_ids, tokens, script=scripts.load_file(LUA), extras=extras)
 
 
-class _WithPrompt:
-    """Stands in for the balancer inside the base class's ``lease()``, which only calls
-    ``self.acquire(request_id)``: this one passes the prompt along, so leases are weighed
-    without a second copy of the renew-and-release logic."""
-
-    def __init__(self, balancer: Any, prompt_ids: Any) -> None:
-        self._balancer, self._prompt_ids = balancer, prompt_ids
-
-    def acquire(self, request_id: str) -> Any:
-        return self._balancer.acquire(request_id, prompt_ids=self._prompt_ids)
-
-
 class LeastTokensRouter(RedisLoadBalancer):
     """:class:`~redis_router.RedisLoadBalancer` that balances by in-flight prompt tokens.
 
@@ -110,17 +97,6 @@ class LeastTokensRouter(RedisLoadBalancer):
         grant = self._run(_acquire(self._core, [_rid(request_id)], [prompt_ids], tokens))[0]
         return Lease(self, grant)
 
-    def lease(
-        self, request_id: str, *, prompt_ids: Any = None, renew_every: float | None = None
-    ) -> AbstractContextManager[Lease]:  # type: ignore[override]
-        """``with lb.lease(rid, prompt_ids=ids) as lease:``, weighed; see the base class."""
-        weight(prompt_ids)  # reject a bad prompt before anything is sent
-        return RedisLoadBalancer.lease(
-            _WithPrompt(self, prompt_ids),  # type: ignore[arg-type]
-            request_id,
-            renew_every=renew_every,
-        )
-
 
 class AsyncLeastTokensRouter(AsyncRedisLoadBalancer):
     """The asyncio twin of :class:`LeastTokensRouter` (same script, keys and behaviour)."""
@@ -151,17 +127,6 @@ class AsyncLeastTokensRouter(AsyncRedisLoadBalancer):
         tokens = [_rid(token, "token")] if token is not None else None
         grant = (await self._run(_acquire(self._core, [_rid(request_id)], [prompt_ids], tokens)))[0]
         return AsyncLease(self, grant)
-
-    def lease(  # type: ignore[override]
-        self, request_id: str, *, prompt_ids: Any = None, renew_every: float | None = None
-    ) -> AbstractAsyncContextManager[AsyncLease]:
-        """``async with lb.lease(rid, prompt_ids=ids) as lease:``, weighed."""
-        weight(prompt_ids)
-        return AsyncRedisLoadBalancer.lease(
-            _WithPrompt(self, prompt_ids),  # type: ignore[arg-type]
-            request_id,
-            renew_every=renew_every,
-        )
 
 
 _rid = validation.request_id

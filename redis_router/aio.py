@@ -16,7 +16,14 @@ from typing import Any
 from redis import exceptions as rx
 
 from . import validation
-from .connection import client_for
+from .connection import (
+    TRANSIENT_BACKOFF,
+    client_for,
+    sentinel_check_due,
+    stale_pools,
+    transient,
+    unavailable_message,
+)
 from .core import BalancerCore, Call, Grant, Op, T, merge_router_kwargs
 from .errors import RedisUnavailable
 
@@ -89,17 +96,33 @@ class AsyncRedisLoadBalancer:
     # -- driving the core ------------------------------------------------------------------
 
     async def _exec(self, call: Call) -> Any:
+        """Send one script call, retrying as RedisLoadBalancer._exec does."""
+        sentinel = sentinel_check_due(self._client)
+        if sentinel is not None:
+            with contextlib.suppress(rx.RedisError):  # the master may be fine; the call will tell
+                await sentinel.get_master_address()
+        for pause in (*TRANSIENT_BACKOFF, None):
+            try:
+                return await self._send(call)
+            except (rx.ConnectionError, rx.TimeoutError) as exc:
+                raise RedisUnavailable(unavailable_message(self.url, exc)) from None
+            except rx.ResponseError as exc:
+                if not transient(exc):
+                    raise self._core.script_error(exc) from None
+                if pause is None:
+                    raise RedisUnavailable(unavailable_message(self.url, exc)) from None
+                for pool in stale_pools(self._client):
+                    await pool.disconnect(inuse_connections=False)
+                await asyncio.sleep(pause)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _send(self, call: Call) -> Any:
         script, client = call.script, self._client
         try:
-            try:
-                return await client.evalsha(script.sha, 1, self._core.prefix, *call.args)
-            except rx.NoScriptError:
-                await client.script_load(script.source)
-                return await client.evalsha(script.sha, 1, self._core.prefix, *call.args)
-        except (rx.ConnectionError, rx.TimeoutError) as exc:
-            raise RedisUnavailable(f"cannot reach Redis at {self.url}: {exc}") from None
-        except rx.ResponseError as exc:
-            raise self._core.script_error(exc) from None
+            return await client.evalsha(script.sha, 1, self._core.prefix, *call.args)
+        except rx.NoScriptError:  # first use, or the server restarted or failed over
+            await client.script_load(script.source)
+            return await client.evalsha(script.sha, 1, self._core.prefix, *call.args)
 
     async def _drive(self, op: Op[T]) -> T:
         try:
@@ -135,7 +158,9 @@ class AsyncRedisLoadBalancer:
         grants = await self._run(self._core.acquire(validation.request_ids(request_ids)))
         return [(g.server_id, g.handle) for g in grants]
 
-    async def acquire(self, request_id: str, *, token: str | None = None) -> AsyncLease:
+    async def acquire(
+        self, request_id: str, *, token: str | None = None, **fields: Any
+    ) -> AsyncLease:
         """Route a request and return its lease (``token``: see RedisLoadBalancer.acquire)."""
         rid = validation.request_id(request_id)
         tokens = [validation.request_id(token, "token")] if token is not None else None
@@ -143,13 +168,13 @@ class AsyncRedisLoadBalancer:
 
     @contextlib.asynccontextmanager
     async def lease(
-        self, request_id: str, *, renew_every: float | None = None
+        self, request_id: str, *, renew_every: float | None = None, **fields: Any
     ) -> AsyncIterator[AsyncLease]:
         """``async with lb.lease(rid) as lease:`` releases exactly once, also on cancellation
         (a lease granted while the task was being cancelled is released, not leaked)."""
         if renew_every is not None:
             validation.seconds(renew_every, "renew_every")
-        pending = asyncio.ensure_future(self.acquire(request_id))
+        pending = asyncio.ensure_future(self.acquire(request_id, **fields))
         try:
             held = await asyncio.shield(pending)
         except asyncio.CancelledError:

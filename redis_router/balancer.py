@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -11,7 +13,14 @@ from typing import Any
 from redis import exceptions as rx
 
 from . import validation
-from .connection import client_for
+from .connection import (
+    TRANSIENT_BACKOFF,
+    client_for,
+    sentinel_check_due,
+    stale_pools,
+    transient,
+    unavailable_message,
+)
 from .core import BalancerCore, Call, Grant, Op, T, merge_router_kwargs
 from .errors import RedisUnavailable
 
@@ -85,17 +94,35 @@ class RedisLoadBalancer:
     # -- driving the core ------------------------------------------------------------------
 
     def _exec(self, call: Call) -> Any:
+        """Send one script call. A dropped connection is retried by redis-py with the same
+        arguments (an acquire's lease token makes the resend idempotent); a reply that proves
+        nothing was written (READONLY after a failover, LOADING) is resent after a pause."""
+        sentinel = sentinel_check_due(self._client)
+        if sentinel is not None:
+            with contextlib.suppress(rx.RedisError):  # the master may be fine; the call will tell
+                sentinel.get_master_address()
+        for pause in (*TRANSIENT_BACKOFF, None):
+            try:
+                return self._send(call)
+            except (rx.ConnectionError, rx.TimeoutError) as exc:
+                raise RedisUnavailable(unavailable_message(self.url, exc)) from None
+            except rx.ResponseError as exc:
+                if not transient(exc):
+                    raise self._core.script_error(exc) from None
+                if pause is None:
+                    raise RedisUnavailable(unavailable_message(self.url, exc)) from None
+                for pool in stale_pools(self._client):
+                    pool.disconnect(inuse_connections=False)
+                time.sleep(pause)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _send(self, call: Call) -> Any:
         script, client = call.script, self._client
         try:
-            try:
-                return client.evalsha(script.sha, 1, self._core.prefix, *call.args)
-            except rx.NoScriptError:
-                client.script_load(script.source)
-                return client.evalsha(script.sha, 1, self._core.prefix, *call.args)
-        except (rx.ConnectionError, rx.TimeoutError) as exc:
-            raise RedisUnavailable(f"cannot reach Redis at {self.url}: {exc}") from None
-        except rx.ResponseError as exc:
-            raise self._core.script_error(exc) from None
+            return client.evalsha(script.sha, 1, self._core.prefix, *call.args)
+        except rx.NoScriptError:  # first use, or the server restarted or failed over
+            client.script_load(script.source)
+            return client.evalsha(script.sha, 1, self._core.prefix, *call.args)
 
     def _run(self, op: Op[T]) -> T:
         try:
@@ -121,7 +148,7 @@ class RedisLoadBalancer:
         grants = self._run(self._core.acquire(validation.request_ids(request_ids)))
         return [(g.server_id, g.handle) for g in grants]
 
-    def acquire(self, request_id: str, *, token: str | None = None) -> Lease:
+    def acquire(self, request_id: str, *, token: str | None = None, **fields: Any) -> Lease:
         """Route a request and return its :class:`Lease`. Passing the token of an earlier,
         failed attempt makes a retry safe: a lease already granted is returned, not doubled."""
         rid = validation.request_id(request_id)
@@ -129,7 +156,9 @@ class RedisLoadBalancer:
         return Lease(self, self._run(self._core.acquire([rid], tokens))[0])
 
     @contextmanager
-    def lease(self, request_id: str, *, renew_every: float | None = None) -> Iterator[Lease]:
+    def lease(
+        self, request_id: str, *, renew_every: float | None = None, **fields: Any
+    ) -> Iterator[Lease]:
         """``with lb.lease(rid) as lease:`` routes, yields the lease, releases it exactly once.
 
         ``renew_every`` (seconds) renews it from a background thread, for requests that may
@@ -137,7 +166,7 @@ class RedisLoadBalancer:
         """
         if renew_every is not None:
             validation.seconds(renew_every, "renew_every")
-        held = self.acquire(request_id)
+        held = self.acquire(request_id, **fields)
         stop = threading.Event()
         keeper = None
         if renew_every is not None:

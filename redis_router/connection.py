@@ -7,8 +7,11 @@ Schemes, as the ``limits`` library spells them: ``redis://``, ``rediss://``, ``u
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import time
+import weakref
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -20,6 +23,19 @@ SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster")
 # it is never counted twice.
 CLIENT_OPTIONS: dict[str, Any] = {"socket_connect_timeout": 2.0, "socket_timeout": 5.0}
 RETRIES = 2
+# Replies after which the script provably wrote nothing, so resending it is safe: the server
+# became a replica in a failover (READONLY; inside a script, Redis 6.2 wraps it in "ERR Error
+# running script ... -READONLY"), is loading its data, or lost its master or cluster quorum.
+_TRANSIENT = re.compile(r"^(LOADING|MASTERDOWN|TRYAGAIN|CLUSTERDOWN)\b|\bREADONLY\b")
+# Resends after a transient reply, with their pauses (s): about half a second in all, so a
+# call still fails fast, with RedisUnavailable, when the condition outlasts a failover's switch.
+TRANSIENT_BACKOFF = (0.05, 0.1, 0.2, 0.2)
+
+# A Sentinel-managed client asks Sentinel for the master at most this often (s), before a call.
+# Without it a connection stays on a demoted master until Sentinel reconfigures that server as
+# a replica, which takes up to ~10 s after a failover, and the writes it takes meanwhile are lost.
+SENTINEL_RECHECK = 1.0
+_last_check: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
 
 _PASSWORD = re.compile(r"(?<=://)([^@/]*)@")
 
@@ -56,6 +72,43 @@ def describe(client: Any) -> str:
     if "path" in kw:
         return f"unix://{kw['path']}"
     return f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+
+
+def transient(exc: Exception) -> bool:
+    """True for an error reply after which nothing was written and a resend may succeed."""
+    return bool(_TRANSIENT.search(str(exc)))
+
+
+def unavailable_message(url: str, exc: Exception) -> str:
+    """The RedisUnavailable message: what failed and what to do, with the URL's password hidden."""
+    detail = redact(str(exc))
+    if transient(exc):
+        return (
+            f"Redis at {url} is not accepting writes ({detail.splitlines()[0][:200]}): a failover "
+            "or restart is in progress, or the URL names a replica; retry shortly, and use "
+            "redis+sentinel:// or redis+cluster:// so that clients follow the new master"
+        )
+    return f"cannot reach Redis at {url}: {detail}; calls work again once it is back"
+
+
+def stale_pools(client: Any) -> list[Any]:
+    """The connection pools to empty after a transient reply, so the next connection asks
+    Sentinel for the master again (a Cluster client follows its topology by itself)."""
+    pool = getattr(client, "connection_pool", None)
+    return [pool] if pool is not None and callable(getattr(pool, "disconnect", None)) else []
+
+
+def sentinel_check_due(client: Any) -> Any | None:
+    """The client's Sentinel pool when its master address is due for a recheck, else None.
+    The caller runs ``pool.get_master_address()``, which drops idle connections on a change."""
+    pool = getattr(client, "connection_pool", None)
+    if not getattr(pool, "is_master", False) or not hasattr(pool, "get_master_address"):
+        return None
+    now = time.monotonic()
+    if now - _last_check.get(pool, -math.inf) < SENTINEL_RECHECK:
+        return None
+    _last_check[pool] = now
+    return pool
 
 
 def _retry(asyncio: bool) -> Any:
