@@ -19,6 +19,13 @@
 
 local P = KEYS[1]
 local SEP = '\31'
+local LOAD = P .. 'load'
+-- Hot path: a redis.call costs ~0.2 us, and turning a number into a string ~0.3 us (Lua's
+-- tostring and the server's "%.17g" both go through printf for doubles), against ~0.03 us
+-- for int() below. So the acquire and release paths pass integers through int(), constants
+-- as strings, and a batch groups per replica the writes that do not depend on order.
+local fmt = string.format
+local function int(n) return fmt('%d', n) end
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -36,9 +43,10 @@ local function server_of(rec)
   return string.sub(rec, 1, string.find(rec, SEP, 1, true) - 1)
 end
 
--- Remove token from the request index (field = id..SEP..request id).
-local function forget_token(field, token)
-  local toks = redis.call('HGET', P .. 'byreq', field)
+-- Remove token from the request index (field = id..SEP..request id); `toks`: the field's
+-- value when the caller has already read it.
+local function forget_token(field, token, toks)
+  toks = toks or redis.call('HGET', P .. 'byreq', field)
   if not toks then return end
   if toks == token then
     redis.call('HDEL', P .. 'byreq', field)
@@ -57,11 +65,13 @@ end
 
 -- Delete one lease's records, and its weight if it has one. The caller adjusts the count (I1).
 -- Every script that ends leases goes through here, so weighted loads stay exact too.
-local function drop_lease(id, token)
-  local rec = redis.call('HGET', P .. 'leases', token)
+-- `rec` (the lease's record) and `toks` (its request index entry) when the caller has already
+-- read them: each saves one HGET on the release path.
+local function drop_lease(id, token, rec, toks)
+  rec = rec or redis.call('HGET', P .. 'leases', token)
   if rec then
     redis.call('HDEL', P .. 'leases', token)
-    forget_token(rec, token)
+    forget_token(rec, token, toks)
     local w = redis.call('HGET', P .. 'weights', token)
     if w then
       redis.call('HDEL', P .. 'weights', token)
@@ -73,13 +83,13 @@ end
 
 -- Reclaim at most `budget` expired leases, each exactly once (I2). Returns how many.
 local function reap(now, budget)
-  local n = 0
+  local n, now_s = 0, int(now)
   while n < budget do
-    local due = redis.call('ZRANGEBYSCORE', P .. 'due', '-inf', now, 'LIMIT', 0, 1)
+    local due = redis.call('ZRANGEBYSCORE', P .. 'due', '-inf', now_s, 'LIMIT', '0', '1')
     if #due == 0 then break end
     local id = due[1]
     local held = P .. 'held:' .. id
-    local gone = redis.call('ZRANGEBYSCORE', held, '-inf', now, 'LIMIT', 0, budget - n)
+    local gone = redis.call('ZRANGEBYSCORE', held, '-inf', now_s, 'LIMIT', '0', int(budget - n))
     if #gone > 0 then
       for _, token in ipairs(gone) do drop_lease(id, token) end
       n = n + #gone
@@ -97,41 +107,57 @@ local function reap(now, budget)
   return n
 end
 
--- Sticky sessions live in time buckets of `width` ms; an entry moves to the newest bucket on
--- each turn and a bucket expires `ttl` ms after its end, so a session outlives its last turn
--- by ttl .. ttl + width (sliding TTL at the memory cost of a plain hash field).
-local function sticky_find(req, cur, span)
-  for b = cur, cur - span, -1 do
-    local id = redis.call('HGET', P .. 'sticky:' .. b, req)
-    if id then return id, b end
-  end
-  return nil, nil
-end
-
-local function sticky_put(req, id, cur, width, ttl, old_id, old_b)
-  if old_b == cur and old_id == id then return end
-  if old_b then
-    redis.call('HDEL', P .. 'sticky:' .. old_b, req)
-    redis.call('HINCRBY', P .. 'stickyn:' .. old_b, old_id, -1)
-  end
-  local key, nkey = P .. 'sticky:' .. cur, P .. 'stickyn:' .. cur
-  redis.call('HSET', key, req, id)
-  if redis.call('HINCRBY', nkey, id, 1) == 1 then
-    local expire_at = (cur + 1) * width + ttl
-    redis.call('PEXPIREAT', key, expire_at)
-    redis.call('PEXPIREAT', nkey, expire_at)
-  end
-end
-
 -- Least in-flight among the replicas that take new sessions; ties broken uniformly by the
 -- client-supplied integer `rand` (I4; never the Lua RNG, see DESIGN.md). O(log N).
+-- The minimum and how many replicas share it are kept in `LL` for the rest of the script:
+-- after each +1 on `load` (reported through load_incremented) the ties shrink by one, so a
+-- batch reads the sorted set once per level instead of twice per request. In a batch
+-- (LL.batch) a level of at most LEVEL_MAX replicas is also read whole, in rank order, and
+-- picks index it instead of asking ZRANGE for each rank. Only acquire_all changes `load`
+-- during an acquire, so the cache stays exact.
+local LL = {}
+local LEVEL_MAX = 128
+
+-- Read the minimum (and the replica at rank 0). False when no replica takes new sessions.
+local function load_peek()
+  local first = redis.call('ZRANGE', LOAD, 0, 0, 'WITHSCORES')
+  if #first == 0 then return false end
+  LL.min, LL.mins, LL.first, LL.ties, LL.level = tonumber(first[2]), first[2], first[1], nil, nil
+  return true
+end
+
+-- `id`'s count in `load` is now `score` (it was score - 1).
+local function load_incremented(score, id)
+  if LL.min and tonumber(score) == LL.min + 1 then
+    if LL.ties and LL.ties > 1 then
+      LL.ties, LL.first = LL.ties - 1, nil
+      local level = LL.level
+      if level then
+        for k = 1, #level do
+          if level[k] == id then
+            table.remove(level, k)
+            break
+          end
+        end
+      end
+    else
+      LL.min = nil -- the level emptied (or its size is unknown): read it again when needed
+    end
+  end
+end
+
 local function least_loaded(rand)
-  local first = redis.call('ZRANGE', P .. 'load', 0, 0, 'WITHSCORES')
-  if #first == 0 then return nil end
-  local ties = redis.call('ZCOUNT', P .. 'load', first[2], first[2])
-  local r = rand % ties
-  if r == 0 then return first[1] end
-  return redis.call('ZRANGE', P .. 'load', r, r)[1]
+  if not LL.min and not load_peek() then return nil end
+  if not LL.ties then LL.ties = redis.call('ZCOUNT', LOAD, LL.mins, LL.mins) end
+  local r = rand % LL.ties
+  if LL.level then return LL.level[r + 1] end
+  if r == 0 and LL.first then return LL.first end
+  if LL.batch and LL.ties <= LEVEL_MAX then
+    LL.level = redis.call('ZRANGE', LOAD, '0', int(LL.ties - 1))
+    return LL.level[r + 1]
+  end
+  local rank = int(r)
+  return redis.call('ZRANGE', LOAD, rank, rank)[1]
 end
 
 -- Rendezvous (highest random weight) hashing over the replicas that take new sessions: a pure
@@ -145,66 +171,285 @@ local function rendezvous(req)
   return best
 end
 
+-- HMGET in chunks (Lua's unpack is limited to a few thousand values); nil for a missing field.
+local CHUNK = 2000
+local function hmget(key, fields, n)
+  local out = {}
+  for lo = 1, n, CHUNK do
+    local hi = math.min(lo + CHUNK - 1, n)
+    local got = redis.call('HMGET', key, unpack(fields, lo, hi))
+    for j = lo, hi do out[j] = got[j - lo + 1] or nil end
+  end
+  return out
+end
+
+-- cmd key a1 b1 a2 b2 ... in chunks (CHUNK is even, so pairs stay whole), for the writes a
+-- batch collects.
+local function flat_call(cmd, key, flat)
+  for lo = 1, #flat, CHUNK do
+    redis.call(cmd, key, unpack(flat, lo, math.min(lo + CHUNK - 1, #flat)))
+  end
+end
+
+-- One request (the common case): the straight sequential procedure, without the batch's
+-- tables. Its arguments start at ARGV[i]; the caller has reaped and knows `now` and `cur`.
+local function acquire_one(i, choose, granted, now, cur, lease_ms, width, ttl, span)
+  local req, token = ARGV[i], ARGV[i + 1]
+  local rec = redis.call('HGET', P .. 'leases', token)
+  if rec then
+    local id = server_of(rec)
+    return { id, redis.call('HGET', P .. 'servers', id), 2 }
+  end
+  local old, ob
+  for b = cur, cur - span, -1 do
+    old = redis.call('HGET', P .. 'sticky:' .. int(b), req)
+    if old then
+      ob = b
+      break
+    end
+  end
+  -- A sticky replica is counted where it is (ZADD XX INCR is a no-op outside the set), so a
+  -- sticky hit needs no membership lookup; only a new session needs the NOSERVERS check.
+  local id, how = old, 1
+  if not (old and redis.call('ZADD', LOAD, 'XX', 'INCR', '1', old)) then
+    if not (old and redis.call('ZADD', P .. 'draining', 'XX', 'INCR', '1', old)) then
+      if not load_peek() then
+        return redis.error_reply('NOSERVERS no replica is accepting new sessions')
+      end
+      id, how = choose(i), 0
+      redis.call('ZINCRBY', LOAD, '1', id)
+    end
+  end
+  local expires = int(now + lease_ms)
+  redis.call('ZADD', P .. 'held:' .. id, expires, token)
+  redis.call('ZADD', P .. 'due', 'LT', expires, id)
+  local field = id .. SEP .. req
+  redis.call('HSET', P .. 'leases', token, field)
+  if redis.call('HSETNX', P .. 'byreq', field, token) == 0 then
+    redis.call('HSET', P .. 'byreq', field, redis.call('HGET', P .. 'byreq', field) .. ' ' .. token)
+  end
+  if not (ob == cur and old == id) then
+    if ob then
+      local obs = int(ob)
+      redis.call('HDEL', P .. 'sticky:' .. obs, req)
+      redis.call('HINCRBY', P .. 'stickyn:' .. obs, old, '-1')
+    end
+    local curs = int(cur)
+    local key, nkey = P .. 'sticky:' .. curs, P .. 'stickyn:' .. curs
+    redis.call('HSET', key, req, id)
+    if redis.call('HINCRBY', nkey, id, '1') == 1 then
+      local expire_at = int((cur + 1) * width + ttl)
+      redis.call('PEXPIREAT', key, expire_at)
+      redis.call('PEXPIREAT', nkey, expire_at)
+    end
+  end
+  redis.call('HINCRBY', P .. 'acquires', id, '1')
+  if how == 1 then redis.call('HINCRBY', P .. 'sticky_hits', id, '1') end
+  if granted then granted(i, id, token) end
+  return { id, redis.call('HGET', P .. 'servers', id), how }
+end
+
 -- The acquire procedure every router shares (the core's acquire.lua and plugins' scripts).
 -- ARGV[1] lease ttl (ms), ARGV[2] sticky bucket width (ms), ARGV[3] sticky ttl (ms),
 -- ARGV[4] buckets to search back, ARGV[5] router flag (core: 1 = full_determinism),
 -- ARGV[6] reap budget; then `stride` arguments per request starting at ARGV[7]: request id,
 -- lease token, random integer, then the router's own.
 -- choose(i) picks the replica for a new session whose arguments start at ARGV[i] (nil: none);
--- granted(i, id, token), if given, runs after each new lease (to weigh it, record blocks...).
+-- granted(i, id, token), if given, runs after each new lease is counted (its replica's count
+-- is already +1; the lease records themselves are written when the whole batch is routed).
 -- Returns a flat array: per request, server id, JSON metadata, and 0 = balanced, 1 = sticky,
 -- 2 = retry of a granted token; or the error NOSERVERS before anything is written.
+-- The result and the final state are those of acquiring the requests one after another; the
+-- lookups are read up front (one HMGET per key) and the writes that commute are grouped per
+-- replica at the end, so a batch of K costs a few calls per request, not ~20.
 local function acquire_all(stride, choose, granted)
   local lease_ms, width, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
   local span, budget = tonumber(ARGV[4]), tonumber(ARGV[6])
   local now = now_ms()
   local cur = math.floor(now / width)
   reap(now, budget)
+  if #ARGV == 6 + stride then
+    return acquire_one(7, choose, granted, now, cur, lease_ms, width, ttl, span)
+  end
+
+  -- Read up front: the leases of the tokens (retries) and the sticky entries of the requests.
+  local n, reqs, toks = 0, {}, {}
+  for i = 7, #ARGV, stride do
+    n = n + 1
+    reqs[n], toks[n] = ARGV[i], ARGV[i + 1]
+  end
+  local recs = hmget(P .. 'leases', toks, n)
+  local sid, sb = {}, {}
+  local pending, np = {}, 0
+  for j = 1, n do
+    if not recs[j] then
+      np = np + 1
+      pending[np] = reqs[j]
+    end
+  end
+  LL.batch = true
+  for b = cur, cur - span, -1 do
+    if np == 0 then break end
+    local key = P .. 'sticky:' .. int(b)
+    -- A bucket that has expired (or never was) is skipped with one EXISTS, not K lookups.
+    if redis.call('EXISTS', key) == 1 then
+      local got = hmget(key, pending, np)
+      local left, nl = {}, 0
+      for j = 1, np do
+        local r = pending[j]
+        if got[j] then
+          sid[r], sb[r] = got[j], b
+        elseif sid[r] == nil then
+          nl = nl + 1
+          left[nl] = r
+        end
+      end
+      pending, np = left, nl
+    end
+  end
+  local member = {} -- server id -> its pool sorted set, or false (pool is fixed during acquire)
+  local function pool(id)
+    local zs = member[id]
+    if zs == nil then
+      zs = pool_of(id) or false
+      member[id] = zs
+    end
+    return zs
+  end
 
   -- With no replica taking new sessions, refuse the whole batch unless each request is a
   -- retry or sticky to a pool member (a draining one), before anything is written.
-  if redis.call('EXISTS', P .. 'load') == 0 then
-    for i = 7, #ARGV, stride do
-      if redis.call('HEXISTS', P .. 'leases', ARGV[i + 1]) == 0 then
-        local sid = sticky_find(ARGV[i], cur, span)
-        if not (sid and pool_of(sid)) then
-          return redis.error_reply('NOSERVERS no replica is accepting new sessions')
-        end
+  if not load_peek() then
+    for j = 1, n do
+      if not recs[j] and not (sid[reqs[j]] and pool(sid[reqs[j]])) then
+        return redis.error_reply('NOSERVERS no replica is accepting new sessions')
       end
     end
   end
 
-  local out = {}
-  local expires = now + lease_ms
-  for i = 7, #ARGV, stride do
-    local req, token = ARGV[i], ARGV[i + 1]
+  local out, no = {}, 0
+  local expires = int(now + lease_ms)
+  local granted_tok = {} -- tokens granted earlier in this batch -> lease record
+  local lease_kv, nl = {}, 0
+  local held, held_ids, acquires = {}, {}, {} -- per replica: {expiry, token, ...}, count
+  local byreq, byreq_f = {}, {} -- request index field -> new tokens, in first-seen order
+  local hits, hit_ids, meta = {}, {}, {}
+  local sticky_kv, ns = {}, 0
+  local sticky_del = {} -- bucket -> request ids that left it
+  local sdelta, skeys = {}, {} -- bucket -> replica -> change in its session count
+  for j = 1, n do
+    local i = 7 + (j - 1) * stride
+    local req, token = reqs[j], toks[j]
     local id, how
-    local rec = redis.call('HGET', P .. 'leases', token)
+    local rec = granted_tok[token] or recs[j]
     if rec then
       id, how = server_of(rec), 2
     else
-      local sid, sb = sticky_find(req, cur, span)
-      local zs = sid and pool_of(sid)
+      local old, ob = sid[req], sb[req]
+      local zs = old and pool(old)
       if zs then
-        id, how = sid, 1
-        redis.call('HINCRBY', P .. 'sticky_hits', id, 1)
+        id, how = old, 1
+        hits[id] = (hits[id] or 0) + 1
+        if hits[id] == 1 then hit_ids[#hit_ids + 1] = id end
       else
-        zs, how, id = P .. 'load', 0, choose(i)
+        zs, how, id = LOAD, 0, choose(i)
       end
-      redis.call('ZINCRBY', zs, 1, id)
-      redis.call('ZADD', P .. 'held:' .. id, expires, token)
-      redis.call('ZADD', P .. 'due', 'LT', expires, id)
+      local score = redis.call('ZINCRBY', zs, '1', id)
+      if zs == LOAD then load_incremented(score, id) end
       local field = id .. SEP .. req
-      redis.call('HSET', P .. 'leases', token, field)
-      local toks = redis.call('HGET', P .. 'byreq', field)
-      redis.call('HSET', P .. 'byreq', field, toks and (toks .. ' ' .. token) or token)
-      sticky_put(req, id, cur, width, ttl, sid, sb)
-      redis.call('HINCRBY', P .. 'acquires', id, 1)
+      granted_tok[token] = field
+      lease_kv[nl + 1], lease_kv[nl + 2], nl = token, field, nl + 2
+      local h = held[id]
+      if not h then
+        h = {}
+        held[id], acquires[id] = h, 0
+        held_ids[#held_ids + 1] = id
+      end
+      local c = acquires[id]
+      h[2 * c + 1], h[2 * c + 2], acquires[id] = expires, token, c + 1
+      local t = byreq[field]
+      if t then
+        byreq[field] = t .. ' ' .. token
+      else
+        byreq[field] = token
+        byreq_f[#byreq_f + 1] = field
+      end
+      -- Sticky sessions live in time buckets of `width` ms; an entry moves to the newest bucket
+      -- on each turn and a bucket expires `ttl` ms after its end, so a session outlives its
+      -- last turn by ttl .. ttl + width (sliding TTL at the memory cost of a plain hash field).
+      if not (ob == cur and old == id) then
+        if ob then
+          if ob ~= cur then
+            local d = sticky_del[ob]
+            if not d then
+              d = {}
+              sticky_del[ob] = d
+            end
+            d[#d + 1] = req
+          end
+          local per = sdelta[ob]
+          if not per then
+            per = {}
+            sdelta[ob] = per
+            skeys[#skeys + 1] = ob
+          end
+          per[old] = (per[old] or 0) - 1
+        end
+        sticky_kv[ns + 1], sticky_kv[ns + 2], ns = req, id, ns + 2
+        local per = sdelta[cur]
+        if not per then
+          per = {}
+          sdelta[cur] = per
+          skeys[#skeys + 1] = cur
+        end
+        per[id] = (per[id] or 0) + 1
+        sid[req], sb[req] = id, cur
+      end
       if granted then granted(i, id, token) end
     end
-    out[#out + 1] = id
-    out[#out + 1] = redis.call('HGET', P .. 'servers', id)
-    out[#out + 1] = how
+    local m = meta[id]
+    if m == nil then
+      m = redis.call('HGET', P .. 'servers', id)
+      meta[id] = m
+    end
+    out[no + 1], out[no + 2], out[no + 3], no = id, m, how, no + 3
+  end
+
+  -- The writes that commute, grouped: lease records, the request index, sticky buckets, stats.
+  if nl > 0 then
+    flat_call('HSET', P .. 'leases', lease_kv)
+    for _, id in ipairs(held_ids) do
+      flat_call('ZADD', P .. 'held:' .. id, held[id])
+      redis.call('ZADD', P .. 'due', 'LT', expires, id)
+      redis.call('HINCRBY', P .. 'acquires', id, int(acquires[id]))
+    end
+    local prev = hmget(P .. 'byreq', byreq_f, #byreq_f)
+    local kv = {}
+    for k, field in ipairs(byreq_f) do
+      kv[2 * k - 1] = field
+      kv[2 * k] = prev[k] and (prev[k] .. ' ' .. byreq[field]) or byreq[field]
+    end
+    flat_call('HSET', P .. 'byreq', kv)
+  end
+  for _, id in ipairs(hit_ids) do redis.call('HINCRBY', P .. 'sticky_hits', id, int(hits[id])) end
+  for b, gone in pairs(sticky_del) do flat_call('HDEL', P .. 'sticky:' .. int(b), gone) end
+  if ns > 0 then
+    local curs = int(cur)
+    local key, nkey = P .. 'sticky:' .. curs, P .. 'stickyn:' .. curs
+    flat_call('HSET', key, sticky_kv)
+    local fresh = false
+    for _, b in ipairs(skeys) do
+      local nb = P .. 'stickyn:' .. int(b)
+      for id, d in pairs(sdelta[b]) do
+        local v = redis.call('HINCRBY', nb, id, int(d))
+        if b == cur and d > 0 and v == d then fresh = true end
+      end
+    end
+    if fresh then
+      local expire_at = int((cur + 1) * width + ttl)
+      redis.call('PEXPIREAT', key, expire_at)
+      redis.call('PEXPIREAT', nkey, expire_at)
+    end
   end
   return out
 end

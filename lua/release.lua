@@ -8,21 +8,26 @@
 --          removed replica: a harmless no-op, I6).
 -- Keeps    I1 (count -1 with its lease, never below 0), I2, I6.
 local id, req, token = ARGV[2], ARGV[3], ARGV[4]
+local rec, toks
 reap(now_ms(), tonumber(ARGV[1]))
 if token ~= '' then
-  local rec = redis.call('HGET', P .. 'leases', token)
+  rec = redis.call('HGET', P .. 'leases', token)
   if not rec then return 0 end
   id = server_of(rec)
 elseif req ~= '' then
-  local toks = redis.call('HGET', P .. 'byreq', id .. SEP .. req)
+  -- Every token listed under a request index field has that field as its lease record.
+  rec = id .. SEP .. req
+  toks = redis.call('HGET', P .. 'byreq', rec)
   if not toks then return 0 end
   token = string.match(toks, '^%S+')
 else
-  local first = redis.call('ZRANGE', P .. 'held:' .. id, 0, 0)
+  local first = redis.call('ZRANGE', P .. 'held:' .. id, '0', '0')
   if #first == 0 then return 0 end
   token = first[1]
 end
-drop_lease(id, token)
-local zs = pool_of(id)
-if zs then redis.call('ZINCRBY', zs, -1, id) end
+drop_lease(id, token, rec, toks)
+-- ZADD XX INCR changes the count only where the replica is (load, else draining): no lookup.
+if not redis.call('ZADD', LOAD, 'XX', 'INCR', '-1', id) then
+  redis.call('ZADD', P .. 'draining', 'XX', 'INCR', '-1', id)
+end
 return 1

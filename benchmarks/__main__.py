@@ -1,0 +1,136 @@
+"""``python -m benchmarks [--quick] [--json FILE] [--server-bin PATH] [--no-ray]``
+
+Starts a private server (never the one on 6379), runs every comparison of issue 6 side by
+side in this process, prints the table and optionally writes it as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+import redis.utils
+
+from redis_router.local_server import (
+    ENV_SERVER_BIN,
+    LocalServer,
+    ServerBinary,
+    find_server_binaries,
+    first_server_binary,
+)
+
+from . import batch, latency, memory, throughput
+from .harness import Row, Sizes, table
+
+STEPS = ("latency", "batch", "memory", "throughput")
+ROW_IDS = (
+    "pair_vs_noop",
+    "pair_4096_vs_8",
+    "batch_sync",
+    "batch_async",
+    "memory_sticky",
+    "memory_string_ttl",
+    "memory_hash_field",
+    "memory_lease",
+    "throughput_vs_ray",
+    "throughput_vs_watch",
+    "throughput_ceiling",
+    "watch_retry_rate",
+)
+
+
+def _binary(path: str | None) -> ServerBinary:
+    if path is None:
+        found = first_server_binary()
+        if found is None:
+            sys.exit("no redis-server / valkey-server found: install one or pass --server-bin")
+        return found
+    wanted = os.path.realpath(path)  # the server runs in its own directory
+    os.environ[ENV_SERVER_BIN] = wanted
+    for b in find_server_binaries(refresh=True):
+        if os.path.realpath(b.path) == wanted:
+            return b
+    sys.exit(f"--server-bin {path!r} is not a runnable redis-server / valkey-server")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke test), ~20 s")
+    ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    ap.add_argument("--server-bin", metavar="PATH", help="server binary (default: first found)")
+    ap.add_argument("--no-ray", action="store_true", help="skip the Ray actor comparison")
+    ap.add_argument(
+        "--only",
+        metavar="STEPS",
+        help=f"comma-separated subset of {','.join(STEPS)} (default: all)",
+    )
+    args = ap.parse_args(argv)
+    sizes = Sizes.quick() if args.quick else Sizes.default()
+    only = set(args.only.split(",")) if args.only else set(STEPS)
+    if only - set(STEPS):
+        ap.error(f"--only: unknown step(s) {sorted(only - set(STEPS))}; choose from {STEPS}")
+    binary = _binary(args.server_bin)
+    started = time.time()
+    skipped: dict[str, str] = {}
+    if args.no_ray:
+        skipped["throughput_vs_ray"] = "--no-ray"
+    elif not throughput.ray_available():
+        skipped["throughput_vs_ray"] = "ray is not installed (pip install 'redis-router[ray]')"
+    print(
+        f"server: {binary.label} ({binary.path}); hiredis: {redis.utils.HIREDIS_AVAILABLE}; "
+        f"python {platform.python_version()}; {'quick' if args.quick else 'full'} sizes",
+        flush=True,
+    )
+    rows: list[Row] = []
+    with LocalServer(binary) as server:
+        client = server.client(decode_responses=True)
+        try:
+            with_ray = "throughput_vs_ray" not in skipped
+            for step, fn in (
+                ("latency", lambda: latency.run(client, sizes)),
+                (
+                    "batch",
+                    lambda: [batch.run_sync(client, sizes), batch.run_async(server.url, sizes)],
+                ),
+                ("memory", lambda: memory.run(client, sizes)),
+                ("throughput", lambda: throughput.run(server.url, sizes, with_ray=with_ray)),
+            ):
+                if step not in only:
+                    continue
+                t0 = time.time()
+                got = fn()
+                rows += got
+                print(f"  {step}: {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
+        finally:
+            client.close()
+    print()
+    print(table(rows))
+    for rid, why in skipped.items():
+        print(f"skipped {rid}: {why}")
+    print(f"({time.time() - started:.0f} s)")
+    if args.json:
+        doc: dict[str, Any] = {
+            "server": {"label": binary.label, "path": binary.path},
+            "hiredis": redis.utils.HIREDIS_AVAILABLE,
+            "redis_py": redis.__version__,
+            "python": platform.python_version(),
+            "quick": args.quick,
+            "sizes": vars(sizes),
+            "rows": [r.to_json() for r in rows],
+            "skipped": skipped,
+            "seconds": round(time.time() - started, 1),
+        }
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+    failed = [r.id for r in rows if r.passed is False]
+    return 1 if failed and not args.quick else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

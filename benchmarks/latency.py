@@ -1,0 +1,78 @@
+"""Targets 1 and 2: an acquire + release pair against two bare round trips, and flat in the
+number of replicas.
+
+Each pair routes a new session (a uuid4 request id, as verl's), so it takes the full path:
+sticky lookup miss, least-loaded pick, lease, sticky entry; then releases it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+import redis
+
+from redis_router import RedisLoadBalancer
+
+from .harness import Row, Sizes, interleaved
+
+NOOP = "return 1"
+
+
+def servers(n: int) -> dict[str, str]:
+    return {f"replica-{i}": f"http://10.0.{i // 250}.{i % 250}:8000" for i in range(n)}
+
+
+def pair_loop(lb: RedisLoadBalancer) -> Callable[[int], None]:
+    """n acquire + release pairs through the seed's protocol (acquire_server / release_server)."""
+
+    def run(n: int) -> None:
+        acquire, release = lb.acquire_server, lb.release_server
+        for rid in [uuid.uuid4().hex for _ in range(n)]:
+            sid, _ = acquire(rid)
+            release(sid, rid)
+
+    return run
+
+
+def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
+    small = RedisLoadBalancer(servers(8), redis=client, name="bench-lat-8")
+    large = RedisLoadBalancer(servers(4096), redis=client, name="bench-lat-4096")
+    noop_sha = client.script_load(NOOP)
+    prefix = small._core.prefix
+
+    def noop(n: int) -> None:
+        evalsha = client.evalsha
+        for _ in range(n):
+            evalsha(noop_sha, 1, prefix)
+            evalsha(noop_sha, 1, prefix)
+
+    pair8, pair4096 = pair_loop(small), pair_loop(large)
+    for warm in (noop, pair8, pair4096):
+        warm(max(50, sizes.block // 2))
+    t_pair, t_noop, ratio = interleaved(pair8, noop, sizes.rounds, sizes.block)
+    t_large, t_small, flat = interleaved(pair4096, pair8, sizes.rounds, sizes.block)
+    for lb in (small, large):
+        lb.destroy()
+    return [
+        Row(
+            "pair_vs_noop",
+            "(1) acquire+release pair, 8 replicas",
+            t_pair,
+            "s",
+            baseline="2 no-op EVALSHA",
+            baseline_value=t_noop,
+            ratio=ratio,
+            target=("<=", 1.3),
+        ),
+        Row(
+            "pair_4096_vs_8",
+            "(2) acquire+release pair, 4096 replicas",
+            t_large,
+            "s",
+            baseline="8 replicas",
+            baseline_value=t_small,
+            ratio=flat,
+            target=("<=", 1.3),
+        ),
+    ]

@@ -1,0 +1,133 @@
+"""Target 4: Redis memory per sticky session, against the two obvious layouts.
+
+N sessions with uuid4().hex request ids are routed with acquire_many (batches of 10,000) on
+an empty server; ``INFO memory`` used_memory before and after, divided by N, is the cost. The
+leases are then reclaimed (the balancer is built with a 1 ms lease ttl, so every lease has
+expired; ``reap()`` ends them exactly as releases would), which leaves only the sticky
+entries: that is the per-session figure. The difference is the cost of an in-flight lease.
+The reference layouts store the same ids and replica ids, filled with pipelines:
+one string key per session with a TTL, and one field per session in a single plain hash.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import redis
+
+from redis_router import RedisLoadBalancer
+
+from .harness import Row, Sizes
+from .latency import servers
+
+BATCH = 10_000
+STICKY_TTL = 3600.0
+
+
+def used_memory(client: redis.Redis) -> int:
+    return int(client.info("memory")["used_memory"])
+
+
+def _ids(n: int) -> list[str]:
+    return [uuid.uuid4().hex for _ in range(n)]
+
+
+def _settled(client: redis.Redis) -> None:
+    """Wait until background frees are done (Valkey 8 frees lazily by default), so
+    used_memory counts only live data."""
+    for _ in range(200):
+        if int(client.info("memory").get("lazyfree_pending_objects", 0)) == 0:
+            return
+        time.sleep(0.05)
+
+
+def _fresh(client: redis.Redis) -> int:
+    client.execute_command("FLUSHALL", "SYNC")
+    _settled(client)
+    return used_memory(client)
+
+
+def measure_router(client: redis.Redis, n: int) -> tuple[float, float]:
+    """(bytes per sticky session, bytes per in-flight lease) for redis-router."""
+    _fresh(client)
+    lb = RedisLoadBalancer(
+        servers(8), redis=client, name="bench-mem", sticky_ttl=STICKY_TTL, lease_ttl=0.001
+    )
+    before = used_memory(client)
+    for lo in range(0, n, BATCH):
+        lb.acquire_many(_ids(min(BATCH, n - lo)))
+    _settled(client)
+    with_leases = used_memory(client)
+    time.sleep(0.01)
+    lb.reap()
+    assert lb.get_total_inflight() == 0
+    _settled(client)
+    sticky_only = used_memory(client)
+    status = lb.get_status()
+    assert status["sticky_sessions"] == n, status["sticky_sessions"]
+    lb.destroy()
+    return (sticky_only - before) / n, (with_leases - sticky_only) / n
+
+
+def measure_reference(client: redis.Redis, n: int, layout: str) -> float:
+    """Bytes per session of a reference layout ("string_ttl" or "hash_field")."""
+    before = _fresh(client)
+    ttl_ms = int(STICKY_TTL * 1000)
+    ids = servers(8)
+    names = list(ids)
+    pipe = client.pipeline(transaction=False)
+    for lo in range(0, n, BATCH):
+        for j, rid in enumerate(_ids(min(BATCH, n - lo))):
+            sid = names[(lo + j) % len(names)]
+            if layout == "string_ttl":
+                pipe.set(f"ref:{{s}}:{rid}", sid, px=ttl_ms)
+            else:
+                pipe.hset("ref:{s}:sticky", rid, sid)
+        pipe.execute()
+    _settled(client)
+    return (used_memory(client) - before) / n
+
+
+def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
+    n = sizes.sessions
+    per_session, per_lease = measure_router(client, n)
+    string_ttl = measure_reference(client, n, "string_ttl")
+    hash_field = measure_reference(client, n, "hash_field")
+    client.execute_command("FLUSHALL", "SYNC")
+    note = f"{n:,} sessions, 32-hex ids, sliding TTL kept (time-bucket hashes)"
+    return [
+        Row(
+            "memory_sticky",
+            "(4) memory per sticky session (redis-router)",
+            per_session,
+            "B",
+            target=("<=", 120),
+            note=note,
+            extra={"sessions": n},
+        ),
+        Row(
+            "memory_string_ttl",
+            "    reference: string key with TTL per session",
+            string_ttl,
+            "B",
+            baseline="redis-router",
+            baseline_value=per_session,
+            ratio=string_ttl / per_session,
+        ),
+        Row(
+            "memory_hash_field",
+            "    reference: plain hash field (no TTL)",
+            hash_field,
+            "B",
+            baseline="redis-router",
+            baseline_value=per_session,
+            ratio=hash_field / per_session,
+        ),
+        Row(
+            "memory_lease",
+            "    in-flight lease state, per lease (freed on release)",
+            per_lease,
+            "B",
+        ),
+    ]
