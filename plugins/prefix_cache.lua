@@ -4,33 +4,40 @@
 -- KEYS[1]  key prefix "rr:{NAME}:" (index keys: see prefix_cache_index.lua)
 -- ARGV[1..6] as acquire.lua (ARGV[5] = 1: full_determinism, rendezvous hashing, no prefix)
 -- ARGV[7..] six per request: request id, lease token, random integer (tie-break), settings,
---          block hashes, depths. settings = "abs rel min_match ttl_ms max_blocks budget record
---          refresh_ms" (space separated, the same for every request of a call); block hashes =
---          the chained hashes of the prompt at its sampled depths, 16 hex characters each,
---          concatenated (or empty); depths = those depths in blocks, space separated (the last
---          is the prompt's length in full blocks).
+--          block hashes, first. settings = "abs rel ttl_ms max_blocks budget record refresh_ms"
+--          (space separated, the same for every request of a call); block hashes = the
+--          prompt's prefix hashes at its sampled depths, 16 hex characters each, concatenated
+--          (or empty); first = the first of them deep enough to count (min_match of the
+--          prompt: the client knows the depths, the script needs only this).
 -- Choice   for a new session: least loaded (random tie-break) if the pool is imbalanced
 --          (max - min > abs and max > rel * min, in-flight counts of the replicas taking new
---          sessions), if the prompt has no full block, or if the longest live prefix covers
---          fewer than min_match of its blocks; else the least loaded of the replicas holding
---          that longest prefix (random tie-break). The deepest held hash is found by binary
---          search over the chain (a replica holding depth i holds every depth < i).
+--          sessions), if the prompt has no full block, or if no live replica holds one of the
+--          hashes first..n; else the least loaded of the replicas holding the deepest such
+--          hash (random tie-break). The deepest and the first hash are read first (a repeated
+--          prompt, or a never-seen one, costs one HMGET of two), else all of them with one
+--          more HMGET, scanned from the deepest. The imbalance test runs only when a prefix
+--          would decide.
 -- Then     each new lease (balanced or sticky) records the prompt's blocks for its replica
---          (when record = 1; blocks it received less than refresh_ms ago are left as they
---          are, so a hot prefix costs reads, not writes), and the index is trimmed to its bounds.
+--          (when record = 1) as one write: blocks it received less than refresh_ms ago are
+--          left as they are, so a hot prefix costs reads, not writes; and the index is kept
+--          within its bounds.
 -- Returns  as acquire.lua. Error NOSERVERS as acquire.lua, with nothing written.
 -- Keeps    I1, I3, I6 (via acquire_all; holders outside P.."load" are never chosen), I4 (ties
 --          broken by client entropy, never Lua's RNG), I5 (under full_determinism), I7.
 local deterministic = ARGV[5] == '1'
-local now = now_ms()
+local now = pc_us -- us, Redis clock (prefix_cache_index.lua)
 local cfg = nil
+local total = nil -- pc:n after this call's last write
+local seen = {}   -- ARGV index of a request -> its blocks' holder lists, once read
+local ends = {}   -- ARGV index of a request -> its deepest and first blocks' holders
 
 local function settings(s)
   if not cfg then
-    local v = {}
-    for x in string.gmatch(s, '%S+') do v[#v + 1] = tonumber(x) end
-    cfg = { abs = v[1], rel = v[2], min_match = v[3], ttl = v[4], max_blocks = v[5],
-            budget = v[6], record = v[7] == 1, refresh = v[8] }
+    local abs, rel, ttl, max_blocks, budget, record, refresh =
+      string.match(s, '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+)$')
+    cfg = { abs = tonumber(abs), rel = tonumber(rel), ttl = tonumber(ttl) * 1000,
+            max_blocks = tonumber(max_blocks), budget = tonumber(budget),
+            record = record == '1', refresh = tonumber(refresh) * 1000 }
   end
   return cfg
 end
@@ -44,19 +51,49 @@ local function imbalanced(c)
   return mx - mn > c.abs and mx > c.rel * mn
 end
 
--- The deepest block of hs some live replica holds (0: none), and those replicas' loads.
-local function longest_prefix(hs, n, since)
-  local lo, hi, ids, loads = 0, n, {}, {}
-  while lo < hi do
-    local mid = math.floor((lo + hi + 1) / 2)
-    local i2, l2 = live_holders(block_at(hs, mid), since)
-    if #i2 > 0 then
-      lo, ids, loads = mid, i2, l2
-    else
-      hi = mid - 1
+-- The holders lists of the deepest and the first block of request i's prompt (read once,
+-- by one HMGET): a repeated prompt needs only the deepest, and when no replica holds even the
+-- first block no replica holds any later one, so a never-seen prompt costs one read.
+local function ends_of(i, hs, n)
+  local e = ends[i]
+  if not e then
+    e = redis.call('HMGET', P .. 'pc:idx', block_at(hs, n), block_at(hs, 1))
+    ends[i] = e
+  end
+  return e[1], e[2]
+end
+
+-- The block hashes of request i's prompt and their holders lists (read once).
+local function holder_lists(i, hs, n)
+  local got = seen[i]
+  if not got then
+    local hashes = split_hashes(hs)
+    local _, first = ends_of(i, hs, n)
+    got = { hashes, first and pc_hmget(P .. 'pc:idx', hashes, n) or {} }
+    seen[i] = got
+  end
+  return got[1], got[2]
+end
+
+-- Of the holders in list v that received the block since `since`, those taking new sessions
+-- and the least loaded of them (nil: none).
+local function best_holders(v, since)
+  local ids = {}
+  for id, us in string.gmatch(v, '([^\31]+)\31(%d+)\31') do
+    if tonumber(us) >= since then ids[#ids + 1] = id end
+  end
+  if #ids == 0 then return nil end
+  local loads = redis.call('ZMSCORE', P .. 'load', unpack(ids))
+  local best, ties = nil, nil
+  for k = 1, #ids do
+    local l = loads[k] and tonumber(loads[k])
+    if l and (not best or l < best) then
+      best, ties = l, { ids[k] }
+    elseif l and l == best then
+      ties[#ties + 1] = ids[k]
     end
   end
-  return lo, ids, loads
+  return ties
 end
 
 local function choose(i)
@@ -65,33 +102,49 @@ local function choose(i)
   local c = settings(ARGV[i + 3])
   local hs = ARGV[i + 4]
   local n = #hs / HW
-  if n == 0 or imbalanced(c) then return least_loaded(rand) end
-  local k, ids, loads = longest_prefix(hs, n, now - c.ttl)
-  if k == 0 then return least_loaded(rand) end
-  local depths = {}
-  for d in string.gmatch(ARGV[i + 5], '%d+') do depths[#depths + 1] = tonumber(d) end
-  if depths[k] < c.min_match * depths[n] then return least_loaded(rand) end
-  local best, ties = nil, {}
-  for k = 1, #ids do
-    if not best or loads[k] < best then
-      best, ties = loads[k], { ids[k] }
-    elseif loads[k] == best then
-      ties[#ties + 1] = ids[k]
+  if n == 0 then return least_loaded(rand) end
+  local since = now - c.ttl
+  local top = ends_of(i, hs, n)
+  local ties = top and best_holders(top, since)
+  if not ties then
+    local _, vals = holder_lists(i, hs, n)
+    for k = n - 1, tonumber(ARGV[i + 5]), -1 do
+      ties = vals[k] and best_holders(vals[k], since)
+      if ties then break end
     end
   end
+  -- Checked only when a prefix would decide: without one the answer is least-loaded anyway.
+  if not ties or imbalanced(c) then return least_loaded(rand) end
   return ties[rand % #ties + 1]
 end
 
 local function granted(i, id, token)
   local c, hs = settings(ARGV[i + 3]), ARGV[i + 4]
   local n = #hs / HW
-  if c.record and n > 0 then
-    record_blocks(id, hs, fresh_depth(id, hs, n, now - c.refresh) + 1, n, now)
+  if not c.record or n == 0 then return end
+  local fresh = now - c.refresh
+  if not seen[i] then
+    -- The deepest block renewed lately for this replica: the whole prefix is (a replica that
+    -- received block n received every block before it). No write.
+    local t = stamp_of(ends_of(i, hs, n), id)
+    if t and t >= fresh then return end
   end
+  local all, vals = holder_lists(i, hs, n)
+  local hashes, old = {}, {}
+  for j = 1, n do
+    local v = vals[j]
+    local t = v and stamp_of(v, id)
+    if not t or t < fresh then
+      hashes[#hashes + 1] = all[j]
+      old[#hashes] = v
+    end
+  end
+  total = record_holders(id, hashes, old, now - c.ttl) or total
+  seen[i], ends[i] = nil, nil
 end
 
 local out = acquire_all(6, choose, granted)
 if out.err or #ARGV < 7 then return out end
 local c = settings(ARGV[10])
-bound_index(now, c.ttl, c.max_blocks, c.budget)
+bound_index(now, c.ttl, c.max_blocks, c.budget, total)
 return out

@@ -9,26 +9,28 @@ balancer scatters them over the pool, and every replica recomputes the same pref
 Algorithm (the policy of SGLang's cache-aware router, on an approximate index in Redis):
 
 1. The client cuts ``prompt_ids`` into blocks of ``block_size`` tokens (a trailing partial
-   block is ignored) and hashes them in a chain, as vLLM's prefix caching does: the hash at
-   depth i covers the hash before it and the tokens since (blake2b, 64 bits, seeded with the
-   block size; never Python's ``hash()``), so one hash names a whole prefix and a replica that
-   received depth i also received every depth < i. Only a grid of depths is hashed and indexed
-   (every block up to 8, then four per doubling, plus the prompt's own length: 21 hashes for
-   4k tokens), so acquire costs O(log n) and a cached prefix is found to within 1/8 of its
-   length; an identical prompt (a GRPO group) matches in full.
+   block is ignored) and hashes the prompt up to a grid of depths, as vLLM's prefix caching
+   does with chained block hashes: one running blake2b (64 bits, seeded with the block size;
+   never Python's ``hash()``) read at each depth, so one hash names a whole prefix and a
+   replica that received depth i also received every depth < i. Only the grid is hashed and
+   indexed (every block up to 8, then four per doubling, plus the prompt's own length: 21
+   hashes for 4k tokens), so acquire costs O(log n) and a cached prefix is found to within 1/8
+   of its length; an identical prompt (a GRPO group) matches in full.
 2. One atomic script (``prefix_cache.lua``, on lib.lua's ``acquire_all``) routes: a retry or a
    sticky session goes where the core sends it. A new session goes to the least-loaded replica
    (random tie-break with client entropy) when the pool is *imbalanced*: ``max - min >
    balance_abs_threshold`` and ``max > balance_rel_threshold * min``, over the in-flight counts
-   of the replicas taking new sessions. Otherwise a binary search over the chain finds the
-   deepest hash some live replica (in the pool, not draining) received within ``index_ttl``;
-   if it covers at least ``min_match`` of the prompt's blocks, the least loaded of those
-   replicas wins (random tie-break), else the least loaded of the pool.
+   of the replicas taking new sessions. Otherwise the deepest hash some live replica (in the
+   pool, not draining) received within ``index_ttl`` wins, among those covering at least
+   ``min_match`` of the prompt's blocks: the least loaded of its holders (random tie-break),
+   else the least loaded of the pool. The deepest hash is read first (a repeated prompt costs
+   one HGET), the rest with one HMGET.
 3. The same script records the prompt's hashes for the chosen replica (also on sticky turns;
    those it received in the last ``index_ttl / 16`` are not rewritten, so a hot prefix costs
-   reads only), then trims the index: at most ``max_index_blocks`` hashes (least recently used
-   go first) and hashes unseen for ``index_ttl`` are dropped a few per call. Keys: see
-   ``prefix_cache_index.lua`` (``rr:{NAME}:pc:b:<hash>`` and ``rr:{NAME}:pc:lru``).
+   reads only) as one *write*: one HSET into the index hash and one LRU entry for the lot.
+   Then it trims the index: writes naming more than ``max_index_blocks`` hashes in all lose
+   the oldest, and writes older than ``index_ttl`` go a few per call. Keys: see
+   ``prefix_cache_index.lua`` (``rr:{NAME}:pc:idx``, ``pc:lru``, ``pc:n``).
 
 The index is approximate: it assumes a replica keeps what it was sent for ``index_ttl``.
 Exact mode: set ``record_on_acquire: false`` and feed the replicas' KV-cache events through
@@ -48,8 +50,8 @@ Options (YAML keys beside ``router_class``, or keyword arguments; the core's opt
 - ``min_match`` (0.5): smallest fraction of the prompt's blocks a cached prefix must cover to
   override least-loaded (SGLang's ``cache_threshold``).
 - ``index_ttl`` (600 s): how long a replica is assumed to keep a block it received.
-- ``max_index_blocks`` (100_000): bound on the index, in hashes; about 250 bytes per hash
-  plus ~40 per replica holding it.
+- ``max_index_blocks`` (100_000): bound on the index, in hashes recorded (a hash recorded
+  for two replicas, or twice for one, counts twice); about 160 bytes per hash recorded.
 - ``max_prompt_blocks`` (1024): blocks of a prompt looked at (32k tokens); later ones ignored.
 - ``record_on_acquire`` (true): record blocks on acquire (approximate mode); false for exact
   mode.
@@ -59,16 +61,13 @@ Under ``full_determinism`` new sessions are placed by rendezvous hashing as in t
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 import sys
-import threading
 from array import array
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +84,8 @@ __all__ = [
 ]
 
 HASH_CHARS = 16  # hex characters per block hash (64 bits), as prefix_cache_index.lua's HW
-MAX_BLOCKS_PER_CALL = 1024  # as prefix_cache_index.lua's LRU_SCALE
+MAX_BLOCKS_PER_CALL = 1024  # per record_blocks/evict_blocks call, as prefix_cache_record.lua says
+_PERSON = b"rr-prefix"
 _HERE = Path(__file__).resolve().parent
 
 
@@ -122,7 +122,7 @@ class PrefixSettings:
     def lua(self) -> str:
         """The settings argument of prefix_cache.lua."""
         return (
-            f"{self.balance_abs_threshold!r} {self.balance_rel_threshold!r} {self.min_match!r} "
+            f"{self.balance_abs_threshold!r} {self.balance_rel_threshold!r} "
             f"{self.ttl_ms} {self.max_index_blocks} {REAP_BUDGET * 4} "
             f"{int(self.record_on_acquire)} {max(1, self.ttl_ms // 16)}"
         )
@@ -151,23 +151,53 @@ def sample_depths(blocks: int) -> list[int]:
     """The depths (in blocks) of a prompt the index keeps: every depth up to 8, then four per
     doubling (10, 12, 14, 16, 20, 24, ...), then the prompt's own length. Every prompt shares
     the grid, so a cached prefix is found to within 1/8 of its length with O(log n) hashes."""
+    return list(_grid(blocks))
+
+
+@lru_cache(maxsize=4096)
+def _grid(blocks: int) -> tuple[int, ...]:
+    """sample_depths, computed once per prompt length (acquire's hot path)."""
     out, j = [], 1
     while j <= blocks:
         out.append(j)
         j += 1 << max(0, j.bit_length() - 3)
     if out and out[-1] != blocks:
         out.append(blocks)
-    return out
+    return tuple(out)
 
 
-def chain_hashes(
+@lru_cache(maxsize=4096)
+def _first_counted(blocks: int, min_match: float) -> str:
+    """The 1-based index of the first sampled depth that covers ``min_match`` of the prompt:
+    the shallowest hash a cached prefix may match to override least-loaded."""
+    depths = _grid(blocks)
+    need = min_match * blocks
+    return str(next((k for k, d in enumerate(depths, 1) if d >= need), len(depths)))
+
+
+def _prefix_hex(
     prompt_ids: Sequence[int], block_size: int, limit: int
-) -> tuple[list[int], list[str]]:
-    """The sampled depths of ``prompt_ids`` (full blocks, at most ``limit``) and their chained
-    hashes: the hash at a depth covers the previous one and the tokens since, so one hash names
-    a whole prefix (blake2b, stable across processes and machines; never ``hash()``)."""
+) -> tuple[tuple[int, ...], str]:
+    """The sampled depths of ``prompt_ids`` (full blocks, at most ``limit``) and the hashes of
+    the prompt up to each, as one string of 16 hex characters per depth.
+
+    One running blake2b (64 bits, seeded with the block size; never ``hash()``) is read at each
+    depth, so a hash names a whole prefix and the prompt's bytes are hashed once; the digests
+    are hexed together. Hot path of acquire: ~30 µs for 4k tokens, most of it turning Python
+    ints into bytes."""
+    if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__len__"):
+        raise TypeError(
+            f"prompt_ids must be a sequence of token ids (ints), got {type(prompt_ids).__name__}"
+        )
+    n = len(prompt_ids) // block_size
+    if n > limit:
+        prompt_ids, n = prompt_ids[: limit * block_size], limit
+    ids = array("I")
     try:
-        ids = array("I", prompt_ids)  # 4 bytes a token: a third of the cost of 8
+        if type(prompt_ids) is list:
+            ids.fromlist(prompt_ids)  # a third faster than array("I", list)
+        else:
+            ids = array("I", prompt_ids)
         seed = b"I"
     except OverflowError:  # a negative id or one >= 2**32: its own namespace of hashes
         ids, seed = array("q", prompt_ids), b"q"
@@ -177,18 +207,29 @@ def chain_hashes(
         ) from None
     if seed == b"I" and ids.itemsize != 4:  # array's C types vary by platform; hashes must not
         ids, seed = array("q", ids), b"q"
+    if n == 0:  # checked all the same: bad input raises however short (I8)
+        return (), ""
     if sys.byteorder != "little":
         ids.byteswap()
-    raw = memoryview(ids.tobytes())
-    step = block_size * ids.itemsize
-    depths = sample_depths(min(len(ids) // block_size, limit))
-    parent, last, out = seed + block_size.to_bytes(8, "little"), 0, []
+    raw = memoryview(ids)
+    depths = _grid(n)
+    h = hashlib.blake2b(seed + block_size.to_bytes(8, "little"), digest_size=8, person=_PERSON)
+    last, out = 0, []
     for d in depths:
-        h = hashlib.blake2b(parent, digest_size=8, person=b"rr-prefix")
-        h.update(raw[last * step : d * step])
-        parent, last = h.digest(), d
-        out.append(parent.hex())
-    return depths, out
+        h.update(raw[last * block_size : d * block_size])
+        out.append(h.digest())
+        last = d
+    return depths, b"".join(out).hex()
+
+
+def chain_hashes(
+    prompt_ids: Sequence[int], block_size: int, limit: int
+) -> tuple[list[int], list[str]]:
+    """The sampled depths of ``prompt_ids`` (full blocks, at most ``limit``) and the hash of
+    the prompt up to each (16 hex characters): one hash names a whole prefix, so prompts that
+    share a hash share everything before it. Stable across processes and machines."""
+    depths, hexed = _prefix_hex(prompt_ids, block_size, limit)
+    return list(depths), [hexed[k : k + HASH_CHARS] for k in range(0, len(hexed), HASH_CHARS)]
 
 
 def _check_hashes(block_hashes: object) -> str:
@@ -248,11 +289,13 @@ class _PrefixOps:
         return chain_hashes(prompt_ids, s.block_size, s.max_prompt_blocks)[1]
 
     def _prompt_args(self, prompt_ids: Sequence[int] | None) -> tuple[str, str, str]:
+        """(settings, prefix hashes, first counted depth): prefix_cache.lua's arguments."""
         if prompt_ids is None:
-            return self._lua_settings, "", ""
+            return self._lua_settings, "", "1"
         s = self.settings
-        depths, hashes = chain_hashes(prompt_ids, s.block_size, s.max_prompt_blocks)
-        return self._lua_settings, "".join(hashes), " ".join(map(str, depths))
+        depths, hexed = _prefix_hex(prompt_ids, s.block_size, s.max_prompt_blocks)
+        first = _first_counted(depths[-1], s.min_match) if depths else "1"
+        return self._lua_settings, hexed, first
 
     def require_acquire_fields(self) -> list[str]:
         return ["prompt_ids"]
@@ -339,32 +382,6 @@ class PrefixCacheRouter(_PrefixOps, RedisLoadBalancer):
         tokens = [validation.request_id(token, "token")] if token is not None else None
         return Lease(self, self._run(self._acquire_op([rid], [prompt_ids], tokens))[0])
 
-    @contextmanager
-    def lease(
-        self,
-        request_id: str,
-        *,
-        renew_every: float | None = None,
-        prompt_ids: Sequence[int] | None = None,
-    ) -> Iterator[Lease]:
-        """``with router.lease(rid, prompt_ids=ids) as lease:`` routes by prefix, releases once;
-        ``renew_every`` (seconds) renews from a background thread."""
-        if renew_every is not None:
-            validation.seconds(renew_every, "renew_every")
-        held = self.acquire(request_id, prompt_ids=prompt_ids)
-        stop = threading.Event()
-        keeper = None
-        if renew_every is not None:
-            keeper = threading.Thread(target=_renew, args=(held, stop, renew_every), daemon=True)
-            keeper.start()
-        try:
-            yield held
-        finally:
-            stop.set()
-            if keeper is not None:
-                keeper.join()
-            held.release()
-
     def record_blocks(self, server_id: str, block_hashes: Sequence[str]) -> int:
         """Exact mode: the replica now holds these blocks. Returns how many were recorded (0 if
         the replica is not in the pool)."""
@@ -439,18 +456,6 @@ class AsyncPrefixCacheRouter(_PrefixOps, AsyncRedisLoadBalancer):
         tokens = [validation.request_id(token, "token")] if token is not None else None
         return AsyncLease(self, (await self._run(self._acquire_op([rid], [prompt_ids], tokens)))[0])
 
-    @contextlib.asynccontextmanager
-    async def lease(
-        self, request_id: str, *, prompt_ids: Sequence[int] | None = None
-    ) -> AsyncIterator[AsyncLease]:
-        """``async with router.lease(rid, prompt_ids=ids) as lease:`` releases exactly once,
-        also when the task is cancelled after the lease was granted."""
-        held = await self.acquire(request_id, prompt_ids=prompt_ids)
-        try:
-            yield held
-        finally:
-            await held.release()
-
     async def record_blocks(self, server_id: str, block_hashes: Sequence[str]) -> int:
         return await self._run(self._blocks_op("record", server_id, block_hashes))
 
@@ -465,15 +470,3 @@ class AsyncPrefixCacheRouter(_PrefixOps, AsyncRedisLoadBalancer):
 
     def __repr__(self) -> str:
         return f"AsyncPrefixCacheRouter(name={self.name!r}, redis={self.url!r})"
-
-
-def _renew(lease: Lease, stop: threading.Event, every: float) -> None:
-    """Renew until stopped or the lease is gone; a failed renew is retried next period."""
-    from redis_router import RedisUnavailable
-
-    while not stop.wait(every):
-        try:
-            if not lease.renew():
-                return
-        except RedisUnavailable:
-            continue

@@ -3,86 +3,192 @@
 -- puts it after lib.lua and before the script, so it reads KEYS[1] (P) only.
 --
 -- Key schema (P = KEYS[1] = "rr:{NAME}:"; the hash tag {NAME} holds for every key, I7):
---   P.."pc:b:"..h   ZSET  replica id -> ms (Redis clock) it last received block h
---   P.."pc:lru"     ZSET  block hash -> last use, as ms * 1024 + rank; of one prompt's blocks
---                         the earlier ones rank higher, so they outlive the later ones
--- A block hash h is 16 hex characters, the chained hash of a prompt's block (block i covers
--- block i-1's hash and its own tokens), so holding block i implies having held blocks < i.
--- Bounds: the index holds at most max_blocks blocks (the oldest go first), a block unseen for
--- ttl ms is dropped (lazily, a few per call), and a block's set has at most one entry per
--- replica, so memory is O(max_blocks * replicas). Entries of removed replicas are ignored
--- (lookups keep only members of P.."load") until their block goes.
+--   P.."pc:idx"  HASH    block hash -> its holders, "id\31us\31" per replica: us = when
+--                        that replica last received the block (one entry each)
+--   P.."pc:lru"  ZSET    write -> us it was made. A write (the member) is "id\31" followed
+--                        by the block hashes recorded for replica id by one call, concatenated
+--   P.."pc:n"    STRING  how many block hashes the writes in pc:lru name, in all
+-- A block hash is 16 hex characters naming a whole prompt prefix (the hash of the prompt's
+-- tokens up to that block), so holding a deep block implies having held the shallower ones.
+-- One hash field per block (not a key per block) keeps a never-seen prompt's ~21 new blocks
+-- one HSET, and one lru member per write (not per block) keeps its LRU bookkeeping one ZADD.
+-- Times (us) are microseconds of the Redis clock, made unique per write (see pc_now), so the
+-- LRU order of writes is their order even within one millisecond.
+-- Bounds: pc:n <= max_blocks (oldest writes go first); a write older than ttl is dropped
+-- (lazily, a few blocks' worth per call). Dropping a write removes its replica from each of
+-- its blocks unless the replica received the block again since; a block with no holder left
+-- goes. Each holder entry was made by a write still in pc:lru, so HLEN pc:idx <= pc:n and
+-- memory is O(max_blocks * replicas). Entries of removed replicas are ignored (lookups keep
+-- only members of P.."load") until their write goes.
 
 local HW = 16            -- characters per block hash
-local LRU_SCALE = 1024   -- ranks per ms in pc:lru; a call records at most this many blocks
-local CHUNK = 500        -- arguments per variadic call, well under Lua's stack limit
+local FIELD = '\31'      -- separates id and time in a holder list (control characters are
+                         -- refused in server ids)
+local PC_CHUNK = 500     -- arguments per variadic call, well under Lua's stack limit
+local function us_str(x) return string.format('%d', x) end
+
+-- The Redis clock in microseconds (exact in a double until year 2255). Scripts run one at a
+-- time and each takes well over a microsecond, so times of different scripts differ; writes
+-- within one script add 1 us each (pc_write).
+local pc_us
+do
+  local t = redis.call('TIME')
+  pc_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local pc_writes = 0
+
+-- HMGET of fields[1..n] in chunks; nil for a missing field.
+local function pc_hmget(key, fields, n)
+  local out = {}
+  for lo = 1, n, PC_CHUNK do
+    local hi = math.min(lo + PC_CHUNK - 1, n)
+    local got = redis.call('HMGET', key, unpack(fields, lo, hi))
+    for j = lo, hi do out[j] = got[j - lo + 1] or nil end
+  end
+  return out
+end
+
+-- cmd key a1 a2 ... in chunks of an even size (field value pairs stay together).
+local function pc_call(cmd, key, flat)
+  for lo = 1, #flat, PC_CHUNK do
+    redis.call(cmd, key, unpack(flat, lo, math.min(lo + PC_CHUNK - 1, #flat)))
+  end
+end
 
 local function block_at(hs, j)
   return string.sub(hs, (j - 1) * HW + 1, j * HW)
 end
 
--- Drop blocks from the index: their replica sets and their LRU entries.
-local function forget_blocks(hashes)
-  for k = 1, #hashes, CHUNK do
-    local last = math.min(#hashes, k + CHUNK - 1)
-    local keys = {}
-    for j = k, last do keys[#keys + 1] = P .. 'pc:b:' .. hashes[j] end
-    redis.call('DEL', unpack(keys))
-    redis.call('ZREM', P .. 'pc:lru', unpack(hashes, k, last))
-  end
+-- The blocks of hs as a list of hashes.
+local function split_hashes(hs)
+  local out = {}
+  for j = 1, #hs / HW do out[j] = string.sub(hs, (j - 1) * HW + 1, j * HW) end
+  return out
 end
 
--- Keep the index within max_blocks and drop at most `budget` blocks unseen for ttl ms.
-local function bound_index(now, ttl, max_blocks, budget)
-  local lru = P .. 'pc:lru'
-  local over = redis.call('ZCARD', lru) - max_blocks
-  if over > 0 then forget_blocks(redis.call('ZRANGE', lru, 0, over - 1)) end
-  local stale = string.format('(%d', (now - ttl) * LRU_SCALE)
-  local old = redis.call('ZRANGEBYSCORE', lru, '-inf', stale, 'LIMIT', 0, budget)
-  if #old > 0 then forget_blocks(old) end
-end
-
--- Note that replica id received blocks first..n of hs (n in all) at `now`.
-local function record_blocks(id, hs, first, n, now)
-  local lru, args = P .. 'pc:lru', {}
-  for j = first, n do
-    local h = block_at(hs, j)
-    redis.call('ZADD', P .. 'pc:b:' .. h, now, id)
-    args[#args + 1] = string.format('%d', now * LRU_SCALE + (n - j))
-    args[#args + 1] = h
-    if #args >= CHUNK then
-      redis.call('ZADD', lru, unpack(args))
-      args = {}
+-- The holders list v (or nil) with id's entry replaced by `stamp` and entries older than
+-- `stale` dropped (times in us).
+local function with_holder(v, id, stamp, stale)
+  local parts = {}
+  if v then
+    for h, us in string.gmatch(v, '([^\31]+)\31(%d+)\31') do
+      if h ~= id and tonumber(us) >= stale then
+        parts[#parts + 1] = h .. FIELD .. us .. FIELD
+      end
     end
   end
-  if #args > 0 then redis.call('ZADD', lru, unpack(args)) end
+  parts[#parts + 1] = id .. FIELD .. stamp .. FIELD
+  return table.concat(parts)
 end
 
--- How many leading blocks of hs replica id received since `since` (ms): a binary search over
--- the chain, so re-sending a prefix refreshes only what is stale (O(log n) reads, no writes).
-local function fresh_depth(id, hs, n, since)
-  local lo, hi = 0, n
-  while lo < hi do
-    local mid = math.floor((lo + hi + 1) / 2)
-    local seen = redis.call('ZSCORE', P .. 'pc:b:' .. block_at(hs, mid), id)
-    if seen and tonumber(seen) >= since then
-      lo = mid
+-- The holders list v without id's entry if that entry is at most `upto` us (nil: any), and
+-- whether it changed.
+local function without_holder(v, id, upto)
+  local head = id .. FIELD
+  if string.sub(v, 1, #head) == head then -- the common case: id is the only holder
+    local us = string.match(v, '^(%d+)\31$', #head + 1)
+    if us then
+      if not upto or tonumber(us) <= upto then return '', true end
+      return v, false
+    end
+  end
+  local parts, gone = {}, false
+  for h, us in string.gmatch(v, '([^\31]+)\31(%d+)\31') do
+    if h == id and (not upto or tonumber(us) <= upto) then
+      gone = true
     else
-      hi = mid - 1
+      parts[#parts + 1] = h .. FIELD .. us .. FIELD
     end
   end
-  return lo
+  return table.concat(parts), gone
 end
 
--- Replicas taking new sessions that received block h since `since` (ms), with their loads.
-local function live_holders(h, since)
-  local ids, loads = {}, {}
-  for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. 'pc:b:' .. h, since, '+inf')) do
-    local load = redis.call('ZSCORE', P .. 'load', id)
-    if load then
-      ids[#ids + 1] = id
-      loads[#loads + 1] = tonumber(load)
+-- When (us) replica id last received a block, per its holders list v (nil: never, as far as
+-- the index knows).
+local function stamp_of(v, id)
+  if not v then return nil end
+  for h, us in string.gmatch(v, '([^\31]+)\31(%d+)\31') do
+    if h == id then return tonumber(us) end
+  end
+  return nil
+end
+
+-- Remove id from blocks hashes[1..] where its entry is at most `upto` us (nil: any); a block
+-- left without holders goes. Returns how many entries went.
+local function drop_holders(id, hashes, upto)
+  local idx = P .. 'pc:idx'
+  local vals = pc_hmget(idx, hashes, #hashes)
+  local set, del, gone = {}, {}, 0
+  for j = 1, #hashes do
+    local v = vals[j]
+    if v then
+      local rest, changed = without_holder(v, id, upto)
+      if changed then
+        gone = gone + 1
+        if rest == '' then
+          del[#del + 1] = hashes[j]
+        else
+          set[#set + 1] = hashes[j]
+          set[#set + 1] = rest
+        end
+      end
     end
   end
-  return ids, loads
+  if #del > 0 then pc_call('HDEL', idx, del) end
+  if #set > 0 then pc_call('HSET', idx, set) end
+  return gone
+end
+
+-- Drop one write of pc:lru (member w, made at us): its replica's entries not renewed since.
+local function forget_write(w, us)
+  local cut = string.find(w, FIELD, 1, true)
+  local hashes = split_hashes(string.sub(w, cut + 1))
+  drop_holders(string.sub(w, 1, cut - 1), hashes, us)
+  redis.call('ZREM', P .. 'pc:lru', w)
+  return redis.call('DECRBY', P .. 'pc:n', #hashes)
+end
+
+-- Keep pc:n within max_blocks (oldest writes first) and drop writes older than ttl (us),
+-- about `budget` blocks' worth per call. `total` is pc:n after this call's writes (nil: it
+-- wrote nothing, so the size bound holds already).
+local function bound_index(now, ttl, max_blocks, budget, total)
+  local lru = P .. 'pc:lru'
+  while total and total > max_blocks do
+    local oldest = redis.call('ZRANGE', lru, 0, 0, 'WITHSCORES')
+    if #oldest == 0 then
+      redis.call('DEL', P .. 'pc:n')
+      break
+    end
+    total = forget_write(oldest[1], tonumber(oldest[2]))
+  end
+  local stale = us_str(now - ttl)
+  local spent = 0
+  while spent < budget do
+    local old = redis.call('ZRANGEBYSCORE', lru, '-inf', '(' .. stale, 'WITHSCORES', 'LIMIT', 0, 1)
+    if #old == 0 then break end
+    spent = spent + (#old[1] - string.find(old[1], FIELD, 1, true)) / HW
+    forget_write(old[1], tonumber(old[2]))
+  end
+end
+
+-- Note that replica id received blocks hashes[1..] now (vals[j]: block j's holders list as
+-- read, or nil), as one write; holders older than `stale` (us) are dropped on the way.
+-- Returns pc:n afterwards, or nil when there was nothing to write.
+local function record_holders(id, hashes, vals, stale)
+  local n = #hashes
+  if n == 0 then return nil end
+  local stamp = us_str(pc_us + pc_writes)
+  pc_writes = pc_writes + 1
+  local only = id .. FIELD .. stamp .. FIELD -- the holders list of a block new to the index
+  local set = {}
+  for j = 1, n do
+    local v = vals[j]
+    set[2 * j - 1] = hashes[j]
+    set[2 * j] = v and with_holder(v, id, stamp, stale) or only
+  end
+  pc_call('HSET', P .. 'pc:idx', set)
+  if redis.call('ZADD', P .. 'pc:lru', stamp, id .. FIELD .. table.concat(hashes)) == 0 then
+    return tonumber(redis.call('GET', P .. 'pc:n') or '0') -- the same write again: renewed
+  end
+  return redis.call('INCRBY', P .. 'pc:n', n)
 end

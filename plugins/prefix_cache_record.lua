@@ -3,26 +3,19 @@
 -- KEYS[1]  key prefix "rr:{NAME}:" (index keys: see prefix_cache_index.lua)
 -- ARGV[1]  "record" or "evict"       ARGV[2]  server id
 -- ARGV[3]  block hashes, 16 hex characters each, concatenated (at most 1024)
--- ARGV[4]  index ttl (ms)            ARGV[5]  max blocks      ARGV[6]  reap budget
+-- ARGV[4]  index ttl (ms)            ARGV[5]  max blocks      ARGV[6]  budget (blocks)
 -- Returns  record: how many blocks were recorded (0 when the replica is not in the pool, I6:
 --          a removed replica never reenters the index); evict: how many entries went.
 -- Keeps    I7 (keys from KEYS[1] only); the index bounds (max blocks, ttl).
 local mode, id, hs = ARGV[1], ARGV[2], ARGV[3]
-local n = #hs / HW
-local now = now_ms()
+local hashes = split_hashes(hs)
+local n = #hashes
 if mode == 'record' then
-  if redis.call('HEXISTS', P .. 'servers', id) == 0 then return 0 end
-  record_blocks(id, hs, 1, n, now)
-  bound_index(now, tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]))
+  if redis.call('HEXISTS', P .. 'servers', id) == 0 or n == 0 then return 0 end
+  local ttl = tonumber(ARGV[4]) * 1000
+  local total = record_holders(id, hashes, pc_hmget(P .. 'pc:idx', hashes, n), pc_us - ttl)
+  bound_index(pc_us, ttl, tonumber(ARGV[5]), tonumber(ARGV[6]), total)
   return n
 end
-local gone = 0
-for j = 1, n do
-  local h = block_at(hs, j)
-  local key = P .. 'pc:b:' .. h
-  if redis.call('ZREM', key, id) == 1 then
-    gone = gone + 1
-    if redis.call('EXISTS', key) == 0 then redis.call('ZREM', P .. 'pc:lru', h) end
-  end
-end
-return gone
+if n == 0 then return 0 end
+return drop_holders(id, hashes, nil)

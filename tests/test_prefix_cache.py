@@ -50,8 +50,19 @@ def make_pc(server: Any) -> Iterator[Callable[..., PrefixCacheRouter]]:
         lb.close()
 
 
-def index_keys(r: Any, name: str) -> list[str]:
-    return list(r.scan_iter(match=invariants.prefix(name) + "pc:b:*", count=1000))
+def index(r: Any, name: str) -> dict[str, dict[str, int]]:
+    """The index as redis-cli shows it: block hash -> {replica id: ms it received it}."""
+    out = {}
+    for h, v in r.hgetall(invariants.prefix(name) + "pc:idx").items():
+        parts = v.split("\x1f")
+        assert parts[-1] == "" and len(parts) % 2 == 1, f"malformed holders {v!r}"
+        out[h] = {parts[k]: int(parts[k + 1]) for k in range(0, len(parts) - 1, 2)}
+    return out
+
+
+def recorded(r: Any, name: str) -> int:
+    """pc:n: the hashes the index's writes name, what max_index_blocks bounds."""
+    return int(r.get(invariants.prefix(name) + "pc:n") or 0)
 
 
 def test_chain_hashes_are_stable_and_name_whole_prefixes():
@@ -122,8 +133,10 @@ def test_index_stays_within_its_size_bound(make_pc, r):
         sid, _ = lb.acquire_server(f"q{k}", prompt_ids=prompt(300 + k, 5))
         lb.release_server(sid, f"q{k}")
     p = invariants.prefix(lb.name)
-    assert r.zcard(p + "pc:lru") == 20
-    assert len(index_keys(r, lb.name)) == 20
+    assert recorded(r, lb.name) == 20 and len(index(r, lb.name)) == 20
+    assert r.zcard(p + "pc:lru") == 4  # one write per never-seen prompt, the newest kept
+    newest = {h for k in range(26, 30) for h in lb.block_hashes(prompt(300 + k, 5))}
+    assert set(index(r, lb.name)) == newest
 
 
 def test_index_forgets_blocks_after_its_ttl(make_pc, r):
@@ -131,11 +144,11 @@ def test_index_forgets_blocks_after_its_ttl(make_pc, r):
     for k in range(10):
         sid, _ = lb.acquire_server(f"old{k}", prompt_ids=prompt(400 + k, 5))
         lb.release_server(sid, f"old{k}")
-    assert len(index_keys(r, lb.name)) == 50
+    assert len(index(r, lb.name)) == 50
     time.sleep(0.2)
     sid, _ = lb.acquire_server("new", prompt_ids=prompt(500, 3))
-    assert r.zcard(invariants.prefix(lb.name) + "pc:lru") == 3  # only the new prompt's
-    assert len(index_keys(r, lb.name)) == 3
+    assert r.zcard(invariants.prefix(lb.name) + "pc:lru") == 1  # only the new prompt's
+    assert len(index(r, lb.name)) == 3 and recorded(r, lb.name) == 3
 
 
 def test_exact_mode_records_and_evicts(make_pc, r):
@@ -145,14 +158,14 @@ def test_exact_mode_records_and_evicts(make_pc, r):
     assert lb.record_blocks("s3", hashes) == len(hashes)
     assert lb.acquire_server("a", prompt_ids=p)[0] == "s3"
     lb.release_server("s3", "a")
-    pfx = invariants.prefix(lb.name)
-    assert r.zcard(pfx + "pc:lru") == len(hashes)  # acquire recorded nothing of its own
+    assert recorded(r, lb.name) == len(hashes)  # acquire recorded nothing of its own
+    assert set(index(r, lb.name)) == set(hashes)
     assert lb.evict_blocks("s3", hashes) == len(hashes)
-    assert r.zcard(pfx + "pc:lru") == 0 and index_keys(r, lb.name) == []
+    assert index(r, lb.name) == {}
     assert lb.record_blocks("not-a-replica", hashes) == 0  # I6: only pool members
     with pytest.raises(ValueError, match="hex"):
         lb.record_blocks("s3", ["nothex"])
-    assert r.zcard(pfx + "pc:lru") == 0  # I8: bad input wrote nothing
+    assert index(r, lb.name) == {}  # I8: bad input wrote nothing
 
 
 def test_sticky_session_stays_although_another_replica_has_more(make_pc, r):
@@ -253,3 +266,75 @@ def test_async_twin_shares_the_index(make_pc, server):
             await lb.close()
 
     assert asyncio.run(go()) == "s2"
+
+
+def test_a_repeated_prompt_is_read_not_rewritten(make_pc, r):
+    lb = make_pc(rng=random.Random(15))
+    p = prompt(16, 40)
+    first, _ = lb.acquire_server("a", prompt_ids=p)
+    before = (index(r, lb.name), r.zrange(invariants.prefix(lb.name) + "pc:lru", 0, -1))
+    assert set(before[0]) == set(lb.block_hashes(p)) and recorded(r, lb.name) == len(before[0])
+    for k in range(5):  # within index_ttl / 16 of the write: the index is only read
+        assert lb.acquire_server(f"b{k}", prompt_ids=p)[0] == first
+        lb.release_server(first, f"b{k}")
+    assert (index(r, lb.name), r.zrange(invariants.prefix(lb.name) + "pc:lru", 0, -1)) == before
+    # An extension (a session's next turn) writes only the blocks it adds.
+    longer = p + prompt(17, 24)
+    assert lb.acquire_server("a", prompt_ids=longer)[0] == first  # sticky
+    added = set(lb.block_hashes(longer)) - set(lb.block_hashes(p))
+    assert recorded(r, lb.name) == len(before[0]) + len(added)
+
+
+def test_evicting_an_old_write_keeps_blocks_renewed_since(make_pc, r):
+    lb = make_pc(record_on_acquire=False, max_index_blocks=12)
+    shared = prompt(18, 8)
+    tail = [prompt(19 + k, 8) for k in range(2)]
+    lb.record_blocks("s0", lb.block_hashes(shared + tail[0]))  # 10 hashes
+    time.sleep(0.005)
+    lb.record_blocks("s1", lb.block_hashes(shared))  # 8 more: 18 > 12, s0's write goes
+    held = index(r, lb.name)
+    assert recorded(r, lb.name) == 8 and set(held) == set(lb.block_hashes(shared))
+    assert all(set(v) == {"s1"} for v in held.values())
+    assert lb.acquire_server("q", prompt_ids=shared + tail[1])[0] == "s1"
+
+
+def test_deepest_held_block_wins_even_if_shallower_ones_went(make_pc):
+    lb = make_pc(record_on_acquire=False)
+    p = prompt(21, 16)
+    hashes = lb.block_hashes(p)
+    lb.record_blocks("s1", hashes[:10])  # 12 of 16 blocks
+    lb.record_blocks("s3", hashes)
+    lb.evict_blocks("s3", hashes[:4])  # exact mode dropped s3's first blocks only
+    for k in range(4):
+        sid, _ = lb.acquire_server(f"q{k}", prompt_ids=p)
+        assert sid == "s3"
+        lb.release_server(sid, f"q{k}")
+
+
+def test_a_batch_routes_as_one_acquire_after_another(make_pc, r):
+    lb = make_pc(rng=random.Random(22))
+    p = prompt(23, 12)
+    got = lb.acquire_many([f"g{k}" for k in range(4)], [p] * 4)
+    assert len({sid for sid, _ in got}) == 1  # the first's write steers the other three
+    assert recorded(r, lb.name) == len(lb.block_hashes(p))  # one write for the group
+    assert invariants.check(r, lb.name)[got[0][0]] == 4
+
+
+def test_base_lease_forwards_prompt_and_renews(make_pc, server, r):
+    lb = make_pc(record_on_acquire=False, lease_ttl=1)
+    p = prompt(24, 10)
+    lb.record_blocks("s2", lb.block_hashes(p))
+    with lb.lease("l", renew_every=0.05, prompt_ids=p) as lease:
+        assert lease.server_id == "s2"
+    assert invariants.check(r, lb.name) == dict.fromkeys(SERVERS, 0)
+
+    async def go() -> str:
+        alb = AsyncPrefixCacheRouter(router_kwargs={"redis": server.url, "name": lb.name})
+        try:
+            async with alb.lease("al", renew_every=0.05, prompt_ids=p) as held:
+                return held.server_id
+        finally:
+            await alb.close()
+
+    assert asyncio.run(go()) == "s2"
+    assert invariants.check(r, lb.name) == dict.fromkeys(SERVERS, 0)

@@ -45,9 +45,18 @@ def test_quick_run_reports_every_router_and_workload(server, tmp_path, capsys):
         assert r["cached_tokens"] <= r["prompt_tokens"]
         assert r["requests"] >= 48 and r["throughput"] > 0
         assert math.isnan(r["balance"]) or r["balance"] >= 1.0
-    assert set(report["bench"]) == {"default", "prefix-cached", "prefix-unique"}
+    bench = report["bench"]
+    assert set(bench) == {
+        "default",
+        "prefix-cached",
+        "prefix-unique",
+        "ratio-cached",
+        "ratio-unique",
+    }
+    assert all(v > 0 for v in bench.values())
+    assert bench["ratio-unique"] == pytest.approx(bench["prefix-unique"] / bench["default"])
     printed = capsys.readouterr().out
     assert all(f"| {w} | {r} |" in printed for w, r in seen)
-    assert "GRPO:" in printed and "multi-turn:" in printed
+    assert "GRPO:" in printed and "multi-turn:" in printed and "acquire, 4k-token" in printed
     with server.client() as c:  # every balancer and simulated replica was cleaned up
         assert list(c.scan_iter(match="rr:*")) == [] and list(c.scan_iter(match="rrsim:*")) == []
