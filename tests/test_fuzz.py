@@ -33,9 +33,9 @@ from redis_router.local_server import LocalServer, first_server_binary
 from . import invariants
 from .model import Model, NoServers
 
-LEASE_TTL = 0.2
+LEASE_TTL = 0.5
 MARGIN = 0.01  # slack (s) around a lease's expiry for the ms clock and the round trip
-STEP = 0.02  # a step that starts later than expiry - STEP - MARGIN waits for expiry first
+STEP = 0.1  # a step that starts later than expiry - STEP - MARGIN waits for expiry first
 MIN_OPERATIONS = 10_000
 SERVERS = ["s0", "s1", "s2", "{s3}", "ü:4"]
 REQUESTS = ["r0", "r1", "r2", "r3", "{r4}", "*:r5", "ß6", "r7"]

@@ -90,22 +90,22 @@ def test_expired_leases_are_reclaimed_by_later_calls_in_bounded_steps(make_lb, r
 
 
 def test_renewed_lease_outlives_its_ttl(make_lb, r):
-    lb = make_lb(SERVERS, lease_ttl=0.3)
+    lb = make_lb(SERVERS, lease_ttl=1.0)
     lease = lb.acquire("long")
-    for _ in range(4):
-        time.sleep(0.15)
+    for _ in range(4):  # 1.2 s in all: past the ttl, but never 1 s without a renewal
+        time.sleep(0.3)
         assert lease.renew()
     assert lb.reap() == 0 and lb.get_total_inflight() == 1
-    time.sleep(0.4)
+    time.sleep(1.1)
     assert lb.reap() == 1 and not lease.renew()
     assert not lease.release()  # already reclaimed: no double decrement
     invariants.check(r, lb.name)
 
 
 def test_lease_renews_itself_while_held(make_lb):
-    lb = make_lb(SERVERS, lease_ttl=0.3)
-    with lb.lease("long", renew_every=0.1) as lease:
-        time.sleep(0.8)
+    lb = make_lb(SERVERS, lease_ttl=1.0)
+    with lb.lease("long", renew_every=0.25) as lease:
+        time.sleep(1.5)
         assert lb.reap() == 0
         assert lb.get_inflight_count(lease.server_id) == 1
     assert lb.get_total_inflight() == 0

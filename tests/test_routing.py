@@ -89,15 +89,15 @@ def test_ties_only_among_the_least_loaded(make_lb):
 
 
 def test_sticky_entry_expires_after_last_turn(make_lb):
-    lb = make_lb(SERVERS, sticky_ttl=0.4)
+    lb = make_lb(SERVERS, sticky_ttl=1.0)
     lease = lb.acquire("sess")
     lease.release()
-    for _ in range(4):  # turns every 0.2 s keep it alive well past one ttl (sliding)
-        time.sleep(0.2)
+    for _ in range(4):  # turns every 0.3 s keep it alive past one ttl (sliding)
+        time.sleep(0.3)
         lease = lb.acquire("sess")
         assert lease.sticky
         lease.release()
-    time.sleep(0.4 * 1.25 + 0.1)  # ttl .. ttl * 1.25 after the last turn (4 buckets)
+    time.sleep(1.0 * 1.25 + 0.1)  # ttl .. ttl * 1.25 after the last turn (4 buckets)
     assert not lb.acquire("sess").sticky
 
 
