@@ -160,9 +160,10 @@ class BalancerCore:
         """Map an error raised inside a script to the library's exception."""
         if str(exc).startswith("NOSERVERS"):
             return NoServersAvailable(
-                f"balancer {self.name!r}: no replica is accepting new sessions (the pool is empty "
-                "or every replica is draining); register replicas with add_servers() or "
-                "`redis-router servers add`"
+                f"balancer {self.name!r}: no replica is accepting new sessions: the pool is empty "
+                "(never registered, or lost when a Redis without persistence restarted) or "
+                "every replica is draining; the process that owns the replica list must "
+                "register them (again) with add_servers() or `redis-router servers add`"
             )
         return exc
 
