@@ -69,7 +69,7 @@ local function holder_lists(i, hs, n)
   if not got then
     local hashes = split_hashes(hs)
     local _, first = ends_of(i, hs, n)
-    got = { hashes, first and pc_hmget(P .. 'pc:idx', hashes, n) or {} }
+    got = { hashes, first and hmget(P .. 'pc:idx', hashes, n) or {} }
     seen[i] = got
   end
   return got[1], got[2]

@@ -24,7 +24,6 @@
 local HW = 16            -- characters per block hash
 local FIELD = '\31'      -- separates id and time in a holder list (control characters are
                          -- refused in server ids)
-local PC_CHUNK = 500     -- arguments per variadic call, well under Lua's stack limit
 local function us_str(x) return string.format('%d', x) end
 
 -- The Redis clock in microseconds (exact in a double until year 2255). Scripts run one at a
@@ -37,23 +36,7 @@ do
 end
 local pc_writes = 0
 
--- HMGET of fields[1..n] in chunks; nil for a missing field.
-local function pc_hmget(key, fields, n)
-  local out = {}
-  for lo = 1, n, PC_CHUNK do
-    local hi = math.min(lo + PC_CHUNK - 1, n)
-    local got = redis.call('HMGET', key, unpack(fields, lo, hi))
-    for j = lo, hi do out[j] = got[j - lo + 1] or nil end
-  end
-  return out
-end
-
--- cmd key a1 a2 ... in chunks of an even size (field value pairs stay together).
-local function pc_call(cmd, key, flat)
-  for lo = 1, #flat, PC_CHUNK do
-    redis.call(cmd, key, unpack(flat, lo, math.min(lo + PC_CHUNK - 1, #flat)))
-  end
-end
+-- Chunked HMGET / variadic writes: lib.lua's hmget and flat_call.
 
 local function block_at(hs, j)
   return string.sub(hs, (j - 1) * HW + 1, j * HW)
@@ -117,7 +100,7 @@ end
 -- left without holders goes. Returns how many entries went.
 local function drop_holders(id, hashes, upto)
   local idx = P .. 'pc:idx'
-  local vals = pc_hmget(idx, hashes, #hashes)
+  local vals = hmget(idx, hashes, #hashes)
   local set, del, gone = {}, {}, 0
   for j = 1, #hashes do
     local v = vals[j]
@@ -134,8 +117,8 @@ local function drop_holders(id, hashes, upto)
       end
     end
   end
-  if #del > 0 then pc_call('HDEL', idx, del) end
-  if #set > 0 then pc_call('HSET', idx, set) end
+  if #del > 0 then flat_call('HDEL', idx, del) end
+  if #set > 0 then flat_call('HSET', idx, set) end
   return gone
 end
 
@@ -186,7 +169,7 @@ local function record_holders(id, hashes, vals, stale)
     set[2 * j - 1] = hashes[j]
     set[2 * j] = v and with_holder(v, id, stamp, stale) or only
   end
-  pc_call('HSET', P .. 'pc:idx', set)
+  flat_call('HSET', P .. 'pc:idx', set)
   if redis.call('ZADD', P .. 'pc:lru', stamp, id .. FIELD .. table.concat(hashes)) == 0 then
     return tonumber(redis.call('GET', P .. 'pc:n') or '0') -- the same write again: renewed
   end

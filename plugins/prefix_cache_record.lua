@@ -13,7 +13,7 @@ local n = #hashes
 if mode == 'record' then
   if redis.call('HEXISTS', P .. 'servers', id) == 0 or n == 0 then return 0 end
   local ttl = tonumber(ARGV[4]) * 1000
-  local total = record_holders(id, hashes, pc_hmget(P .. 'pc:idx', hashes, n), pc_us - ttl)
+  local total = record_holders(id, hashes, hmget(P .. 'pc:idx', hashes, n), pc_us - ttl)
   bound_index(pc_us, ttl, tonumber(ARGV[5]), tonumber(ARGV[6]), total)
   return n
 end

@@ -24,7 +24,7 @@ from .connection import (
     transient,
     unavailable_message,
 )
-from .core import BalancerCore, Call, Grant, Op, T, merge_router_kwargs
+from .core import Call, Grant, Op, T, build_core
 from .errors import RedisUnavailable
 
 
@@ -76,19 +76,15 @@ class AsyncRedisLoadBalancer:
         rng: random.Random | None = None,
         router_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        opts = merge_router_kwargs(
-            {
-                "redis": redis,
-                "name": name,
-                "full_determinism": full_determinism,
-                "sticky_ttl": sticky_ttl,
-                "lease_ttl": lease_ttl,
-                "rng": rng,
-            },
+        self._core, redis = build_core(
             router_kwargs,
+            redis=redis,
+            name=name,
+            full_determinism=full_determinism,
+            sticky_ttl=sticky_ttl,
+            lease_ttl=lease_ttl,
+            rng=rng,
         )
-        redis = opts.pop("redis")
-        self._core = BalancerCore(**opts)
         self._initial = validation.servers_mapping(servers) if servers is not None else {}
         self._client, self.url, self._owns_client = client_for(redis, asyncio=True)
         self._setup: asyncio.Future[None] | None = None

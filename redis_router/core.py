@@ -89,6 +89,14 @@ def merge_router_kwargs(
     return merged
 
 
+def build_core(router_kwargs: Mapping[str, Any] | None, **given: Any) -> tuple[BalancerCore, Any]:
+    """The twins' constructors in one place: fold in router_kwargs, build the core, and
+    return it with the ``redis`` option (a URL, a client or None) left for the caller."""
+    opts = merge_router_kwargs(given, router_kwargs)
+    redis = opts.pop("redis")
+    return BalancerCore(**opts), redis
+
+
 def new_token() -> str:
     """A lease token: unique across processes (never from the tie-break RNG, which tests seed)."""
     return os.urandom(8).hex()
