@@ -129,12 +129,12 @@ class AsyncRedisLoadBalancer:
             return stop.value
 
     async def _run(self, op: Op[T]) -> T:
-        if self._setup is None or not self._setup.done() or self._setup.exception():
+        if not _succeeded(self._setup):
             await self._ensure_setup()
         return await self._drive(op)
 
     async def _ensure_setup(self) -> None:
-        if self._setup is None or (self._setup.done() and self._setup.exception()):
+        if self._setup is None or (self._setup.done() and not _succeeded(self._setup)):
             self._setup = asyncio.ensure_future(self._drive(self._core.setup(self._initial)))
         await asyncio.shield(self._setup)
 
@@ -251,6 +251,11 @@ class AsyncRedisLoadBalancer:
 
     def __repr__(self) -> str:
         return f"AsyncRedisLoadBalancer(name={self.name!r}, redis={self.url!r})"
+
+
+def _succeeded(setup: asyncio.Future[None] | None) -> bool:
+    """The settings were pinned (a failed or cancelled setup is tried again on the next call)."""
+    return setup is not None and setup.done() and not setup.cancelled() and not setup.exception()
 
 
 # Releases scheduled from callbacks; referenced here so they are not garbage-collected early.

@@ -163,3 +163,14 @@ def test_empty_pool_raises_no_servers(server):
                 await alb.acquire_server("r")
 
     asyncio.run(main())
+
+
+def test_a_cancelled_setup_is_retried_on_the_next_call(server):
+    async def main() -> None:
+        lb = AsyncRedisLoadBalancer({"s0": "a"}, redis=server.url, name="cancelled-setup")
+        lb._setup = asyncio.get_running_loop().create_future()
+        lb._setup.cancel()  # e.g. the loop cancelled every task at shutdown
+        assert await lb.acquire_server("r") == ("s0", "a")
+        await lb.close()
+
+    asyncio.run(main())
