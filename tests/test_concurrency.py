@@ -66,6 +66,7 @@ def test_processes_hammering_one_balancer_keep_invariants(make_lb, server, r):
         counts = invariants.check(r, lb.name)  # I1 under 96 held sessions
         assert sum(counts.values()) == PROCESSES * 16
         assert max(counts.values()) - min(counts.values()) <= 1, counts  # I4
+        print(f"\n{PROCESSES} processes holding {sum(counts.values())} fresh sessions: {counts}")
         barrier.wait(timeout=60)
         ops = sum(results.get(timeout=60) for _ in procs)
     finally:
@@ -75,7 +76,9 @@ def test_processes_hammering_one_balancer_keep_invariants(make_lb, server, r):
                 p.kill()
     assert all(p.exitcode == 0 for p in procs)
     assert ops == PROCESSES * (400 + 16)
-    assert invariants.check(r, lb.name) == dict.fromkeys(REPLICAS, 0)
+    final = invariants.check(r, lb.name)
+    assert final == dict.fromkeys(REPLICAS, 0)
+    print(f"{ops} operations; final counts {final}")
 
 
 def test_removal_during_load_is_atomic(make_lb, r):
