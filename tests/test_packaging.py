@@ -72,3 +72,14 @@ def test_wheel_in_a_fresh_venv_ships_scripts_and_routes(tmp_path):
     module, lua_dir, routed = out.split("|")
     assert module.startswith(str(venv)) and lua_dir.startswith(str(venv))
     assert routed == "('s0', 'http://a')"
+
+
+def test_python_dash_m_runs_the_command_line():
+    out = subprocess.run(
+        [sys.executable, "-m", "redis_router", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "demo" in out and "status" in out
