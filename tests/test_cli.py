@@ -274,10 +274,10 @@ def test_sessions_clear_forgets_sticky_sessions(server, make_lb):
 
 
 def test_reap_reclaims_expired_leases(server, make_lb, r):
-    lb = make_lb(SERVERS, lease_ttl=0.2)
+    lb = make_lb(SERVERS, lease_ttl=0.5)
     for i in range(3):
         lb.acquire(f"dead-{i}")  # never released: their holder "died"
-    time.sleep(0.4)
+    time.sleep(0.7)
     assert lb.get_total_inflight() == 3
     proc = run_cli("--name", lb.name, "reap", redis=server.url)
     assert proc.returncode == 0, proc.stderr

@@ -69,10 +69,10 @@ def scrape(metrics_url: str) -> Samples:
 
 def test_scrape_shows_each_replica_as_the_library_sees_it(server, make_lb):
     lb = make_lb(SERVERS)
-    crashed = make_lb(name=lb.name, lease_ttl=0.2)  # a worker whose leases expire
+    crashed = make_lb(name=lb.name, lease_ttl=0.5)  # a worker whose leases expire
     for i in range(4):
         crashed.acquire(f"dead-{i}")
-    time.sleep(0.3)
+    time.sleep(0.7)
     assert lb.reap() == 4
     for i in range(5):
         lb.acquire_server(f"chat-{i}")
