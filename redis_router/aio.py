@@ -19,10 +19,9 @@ from . import validation
 from .connection import (
     TRANSIENT_BACKOFF,
     client_for,
+    send_failure,
     sentinel_check_due,
     stale_pools,
-    transient,
-    unavailable_message,
 )
 from .core import Call, Grant, Op, T, build_core
 from .errors import RedisUnavailable
@@ -100,16 +99,13 @@ class AsyncRedisLoadBalancer:
         for pause in (*TRANSIENT_BACKOFF, None):
             try:
                 return await self._send(call)
-            except (rx.ConnectionError, rx.TimeoutError) as exc:
-                raise RedisUnavailable(unavailable_message(self.url, exc)) from None
-            except rx.ResponseError as exc:
-                if not transient(exc):
-                    raise self._core.script_error(exc) from None
-                if pause is None:
-                    raise RedisUnavailable(unavailable_message(self.url, exc)) from None
-                for pool in stale_pools(self._client):
-                    await pool.disconnect(inuse_connections=False)
-                await asyncio.sleep(pause)
+            except (rx.ConnectionError, rx.TimeoutError, rx.ResponseError) as exc:
+                error = send_failure(exc, self.url, self._core.script_error, pause is None)
+                if error is not None:
+                    raise error from None
+            for pool in stale_pools(self._client):
+                await pool.disconnect(inuse_connections=False)
+            await asyncio.sleep(pause)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _send(self, call: Call) -> Any:

@@ -15,6 +15,10 @@ import weakref
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from redis import exceptions as rx
+
+from .errors import RedisUnavailable
+
 DEFAULT_URL = "redis://localhost:6379/0"
 SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster")
 
@@ -77,6 +81,19 @@ def describe(client: Any) -> str:
 def transient(exc: Exception) -> bool:
     """True for an error reply after which nothing was written and a resend may succeed."""
     return bool(_TRANSIENT.search(str(exc)))
+
+
+def send_failure(exc: Exception, url: str, script_error: Any, final: bool) -> Exception | None:
+    """What a failed script call means, for the sync and async balancers alike: the exception
+    to raise, or None when nothing was written and the call should be resent after a pause
+    (``final``: no pause is left)."""
+    if isinstance(exc, (rx.ConnectionError, rx.TimeoutError)):
+        return RedisUnavailable(unavailable_message(url, exc))
+    if not transient(exc):
+        return script_error(exc)
+    if final:
+        return RedisUnavailable(unavailable_message(url, exc))
+    return None
 
 
 def unavailable_message(url: str, exc: Exception) -> str:
