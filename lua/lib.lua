@@ -337,6 +337,15 @@ local function acquire_all(stride, choose, granted)
   local sticky_kv, ns = {}, 0
   local sticky_del = {} -- bucket -> request ids that left it
   local sdelta, skeys = {}, {} -- bucket -> replica -> change in its session count
+  local function sticky_count(b, id, d)
+    local per = sdelta[b]
+    if not per then
+      per = {}
+      sdelta[b] = per
+      skeys[#skeys + 1] = b
+    end
+    per[id] = (per[id] or 0) + d
+  end
   for j = 1, n do
     local i = 7 + (j - 1) * stride
     local req, token = reqs[j], toks[j]
@@ -387,22 +396,10 @@ local function acquire_all(stride, choose, granted)
             end
             d[#d + 1] = req
           end
-          local per = sdelta[ob]
-          if not per then
-            per = {}
-            sdelta[ob] = per
-            skeys[#skeys + 1] = ob
-          end
-          per[old] = (per[old] or 0) - 1
+          sticky_count(ob, old, -1)
         end
         sticky_kv[ns + 1], sticky_kv[ns + 2], ns = req, id, ns + 2
-        local per = sdelta[cur]
-        if not per then
-          per = {}
-          sdelta[cur] = per
-          skeys[#skeys + 1] = cur
-        end
-        per[id] = (per[id] or 0) + 1
+        sticky_count(cur, id, 1)
         sid[req], sb[req] = id, cur
       end
       if granted then granted(i, id, token) end
