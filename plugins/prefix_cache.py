@@ -303,6 +303,16 @@ class _PrefixOps:
         self._lua_settings = self.settings.lua()
         super().__init__(servers, router_kwargs=rest, **options)  # the sync or async balancer
 
+    def _acquire_many_op(
+        self, request_ids: list[str], prompt_ids: Sequence[Sequence[int] | None] | None
+    ) -> Op[list[Grant]]:
+        """Check a batch's arguments (one prompt per request id) before anything is sent."""
+        rids = validation.request_ids(request_ids)
+        prompts = list(prompt_ids) if prompt_ids is not None else [None] * len(rids)
+        if len(prompts) != len(rids):
+            raise ValueError(f"{len(rids)} request ids but {len(prompts)} prompts")
+        return self._acquire_op(rids, prompts)
+
     def block_hashes(self, prompt_ids: Sequence[int]) -> list[str]:
         """The index's hashes of a prompt (what exact mode records for the tokens a replica
         holds): one per sampled depth, see :func:`sample_depths`."""
@@ -363,11 +373,8 @@ class PrefixCacheRouter(_PrefixOps, RedisLoadBalancer):
         self, request_ids: list[str], prompt_ids: Sequence[Sequence[int] | None] | None = None
     ) -> list[tuple[str, Any]]:
         """Route many requests in one round trip (``prompt_ids``: one prompt per request)."""
-        rids = validation.request_ids(request_ids)
-        prompts = list(prompt_ids) if prompt_ids is not None else [None] * len(rids)
-        if len(prompts) != len(rids):
-            raise ValueError(f"{len(rids)} request ids but {len(prompts)} prompts")
-        return [(g.server_id, g.handle) for g in self._run(self._acquire_op(rids, prompts))]
+        grants = self._run(self._acquire_many_op(request_ids, prompt_ids))
+        return [(g.server_id, g.handle) for g in grants]
 
     def acquire(
         self,
@@ -417,11 +424,7 @@ class AsyncPrefixCacheRouter(_PrefixOps, AsyncRedisLoadBalancer):
     async def acquire_many(
         self, request_ids: list[str], prompt_ids: Sequence[Sequence[int] | None] | None = None
     ) -> list[tuple[str, Any]]:
-        rids = validation.request_ids(request_ids)
-        prompts = list(prompt_ids) if prompt_ids is not None else [None] * len(rids)
-        if len(prompts) != len(rids):
-            raise ValueError(f"{len(rids)} request ids but {len(prompts)} prompts")
-        grants = await self._run(self._acquire_op(rids, prompts))
+        grants = await self._run(self._acquire_many_op(request_ids, prompt_ids))
         return [(g.server_id, g.handle) for g in grants]
 
     async def acquire(
