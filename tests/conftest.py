@@ -64,12 +64,13 @@ def r(server: LocalServer) -> Iterator[redis.Redis]:
 
 @pytest.fixture
 def make_lb(server: LocalServer) -> Iterator[Callable[..., RedisLoadBalancer]]:
-    """Build balancers on the test's server; each call gets a fresh name unless given one."""
+    """Build balancers (``cls``: any router class) on the test's server, each with a fresh name
+    unless given one; closed after the test."""
     made: list[RedisLoadBalancer] = []
 
-    def make(servers: Any = None, **kw: Any) -> RedisLoadBalancer:
+    def make(servers: Any = None, *, cls: type = RedisLoadBalancer, **kw: Any) -> Any:
         kw.setdefault("name", f"t{next(_names)}")
-        lb = RedisLoadBalancer(servers, redis=server.url, **kw)
+        lb = cls(servers, redis=server.url, **kw)
         made.append(lb)
         return lb
 

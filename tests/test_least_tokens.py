@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,23 +22,16 @@ from . import invariants
 
 SERVERS = {f"s{i}": f"http://10.0.0.{i}:8000" for i in range(4)}
 YAML = "plugins/least_tokens.yaml"
-_names = iter(range(10**9))
 
 
 @pytest.fixture
-def make_lt(server: Any) -> Iterator[Callable[..., LeastTokensRouter]]:
-    """Least-tokens routers on the test's server, each with a fresh name unless given one."""
-    made: list[LeastTokensRouter] = []
+def make_lt(make_lb: Callable[..., Any]) -> Callable[..., LeastTokensRouter]:
+    """Least-tokens routers on the test's server (conftest's make_lb with this class)."""
 
     def make(servers: Any = SERVERS, **kw: Any) -> LeastTokensRouter:
-        kw.setdefault("name", f"lt{next(_names)}")
-        lb = LeastTokensRouter(servers, redis=server.url, **kw)
-        made.append(lb)
-        return lb
+        return make_lb(servers, cls=LeastTokensRouter, **kw)
 
-    yield make
-    for lb in made:
-        lb.close()
+    return make
 
 
 def check_weights(r: Any, name: str) -> dict[str, int]:
