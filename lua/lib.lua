@@ -118,11 +118,28 @@ end
 local LL = {}
 local LEVEL_MAX = 128
 
--- Read the minimum (and the replica at rank 0). False when no replica takes new sessions.
+local PEEK = 8
+
+-- Read the minimum and the replicas at the lowest ranks, in one call. When the lowest level
+-- ends within them (or they are the whole pool) its size and members are known, so the pick
+-- needs no ZCOUNT and no ZRANGE: a small pool, or a busy one, routes with this call alone.
+-- False when no replica takes new sessions.
 local function load_peek()
-  local first = redis.call('ZRANGE', LOAD, 0, 0, 'WITHSCORES')
-  if #first == 0 then return false end
-  LL.min, LL.mins, LL.first, LL.ties, LL.level = tonumber(first[2]), first[2], first[1], nil, nil
+  local top = redis.call('ZRANGE', LOAD, 0, PEEK - 1, 'WITHSCORES')
+  local n = #top / 2
+  if n == 0 then return false end
+  local mins = top[2] -- Redis formats equal scores identically, so strings compare as numbers
+  local level, k = { top[1] }, 1
+  while k < n and top[2 * k + 2] == mins do
+    k = k + 1
+    level[k] = top[2 * k - 1]
+  end
+  LL.min, LL.mins, LL.first = tonumber(mins), mins, top[1]
+  if k < n or n < PEEK then
+    LL.ties, LL.level = k, level
+  else
+    LL.ties, LL.level = nil, nil
+  end
   return true
 end
 
