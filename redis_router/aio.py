@@ -16,6 +16,7 @@ from typing import Any
 from redis import exceptions as rx
 
 from . import validation
+from .coalesce import Coalescer
 from .connection import (
     TRANSIENT_BACKOFF,
     client_for,
@@ -23,8 +24,8 @@ from .connection import (
     sentinel_check_due,
     stale_pools,
 )
-from .core import Call, Grant, Op, T, build_core
-from .errors import RedisUnavailable
+from .core import Call, Grant, Op, T, build_core, new_tokens
+from .errors import NoServersAvailable, RedisUnavailable
 
 
 class AsyncLease:
@@ -50,10 +51,8 @@ class AsyncLease:
         if self._released:
             return False
         self._released = True
-        b = self._balancer
-        return await asyncio.shield(
-            b._run(b._core.release(self.server_id, self.request_id, self.token))
-        )
+        release = self._balancer._release_one(self.server_id, self.request_id, self.token)
+        return await asyncio.shield(release)
 
     def __repr__(self) -> str:
         return f"AsyncLease(server_id={self.server_id!r}, request_id={self.request_id!r})"
@@ -61,7 +60,12 @@ class AsyncLease:
 
 class AsyncRedisLoadBalancer:
     """The asyncio form of :class:`~redis_router.RedisLoadBalancer` (same arguments, methods
-    are coroutines). Settings are pinned in Redis on the first call."""
+    are coroutines). Settings are pinned in Redis on the first call.
+
+    ``coalesce`` (default True): acquires and releases made while another is in flight go
+    together in the next round trip, with the result of making them one after another
+    (:mod:`redis_router.coalesce`); a lone call is sent at once. False sends each by itself.
+    """
 
     def __init__(
         self,
@@ -74,7 +78,10 @@ class AsyncRedisLoadBalancer:
         lease_ttl: float = 600.0,
         rng: random.Random | None = None,
         router_kwargs: Mapping[str, Any] | None = None,
+        coalesce: bool = True,
     ) -> None:
+        if not isinstance(coalesce, bool):
+            raise TypeError(f"coalesce must be a bool, got {type(coalesce).__name__}")
         self._core, redis = build_core(
             router_kwargs,
             redis=redis,
@@ -87,6 +94,11 @@ class AsyncRedisLoadBalancer:
         self._initial = validation.servers_mapping(servers) if servers is not None else {}
         self._client, self.url, self._owns_client = client_for(redis, asyncio=True)
         self._setup: asyncio.Future[None] | None = None
+        self._acquires: Coalescer[tuple[str, str | None], Grant] | None = None
+        self._releases: Coalescer[tuple[str, str | None, str | None], bool] | None = None
+        if coalesce:
+            self._acquires = Coalescer(self._acquire_batch, self._release_orphan)
+            self._releases = Coalescer(self._release_batch)
 
     # -- driving the core ------------------------------------------------------------------
 
@@ -134,6 +146,55 @@ class AsyncRedisLoadBalancer:
             self._setup = asyncio.ensure_future(self._drive(self._core.setup(self._initial)))
         await asyncio.shield(self._setup)
 
+    # -- coalesced acquires and releases ---------------------------------------------------
+
+    async def _acquire_one(self, request_id: str, token: str | None = None) -> Grant:
+        if self._acquires is None:
+            tokens = [token] if token is not None else None
+            return (await self._run(self._core.acquire([request_id], tokens)))[0]
+        return await self._acquires.submit((request_id, token))
+
+    async def _acquire_batch(
+        self, items: list[tuple[str, str | None]]
+    ) -> list[Grant | BaseException]:
+        rids = [rid for rid, _ in items]
+        fresh = iter(new_tokens(len(items)))
+        tokens = [token if token is not None else next(fresh) for _, token in items]
+        try:
+            return list(await self._run(self._core.acquire(rids, tokens)))
+        except NoServersAvailable:
+            if len(items) == 1:
+                raise
+        # A batch is refused whole when one request has nowhere to go; alone, a request
+        # sticky to a draining replica is still served, so each is tried by itself.
+        outcomes: list[Grant | BaseException] = []
+        for rid, token in zip(rids, tokens, strict=True):
+            try:
+                outcomes.append((await self._run(self._core.acquire([rid], [token])))[0])
+            except NoServersAvailable as exc:
+                outcomes.append(exc)
+        return outcomes
+
+    def _release_orphan(self, _item: tuple[str, str | None], grant: Grant) -> None:
+        """A caller was cancelled after its acquire was sent: end the lease it never got."""
+        release = asyncio.ensure_future(
+            self._release_one(grant.server_id, grant.request_id, grant.token)
+        )
+        _pending_releases.add(release)
+        release.add_done_callback(_pending_releases.discard)
+
+    async def _release_one(
+        self, server_id: str, request_id: str | None, token: str | None = None
+    ) -> bool:
+        if self._releases is None:
+            return await self._run(self._core.release(server_id, request_id, token))
+        return await self._releases.submit((server_id, request_id, token))
+
+    async def _release_batch(
+        self, items: list[tuple[str, str | None, str | None]]
+    ) -> list[bool | BaseException]:
+        return list(await self._run(self._core.release_many(items)))
+
     # -- routing ---------------------------------------------------------------------------
 
     @property
@@ -142,7 +203,7 @@ class AsyncRedisLoadBalancer:
 
     async def acquire_server(self, request_id: str, **fields: Any) -> tuple[str, Any]:
         """Route a request: its sticky replica, else the least loaded. Returns (id, handle)."""
-        g = (await self._run(self._core.acquire([validation.request_id(request_id)])))[0]
+        g = await self._acquire_one(validation.request_id(request_id))
         return g.server_id, g.handle
 
     async def acquire_many(self, request_ids: list[str]) -> list[tuple[str, Any]]:
@@ -155,8 +216,8 @@ class AsyncRedisLoadBalancer:
     ) -> AsyncLease:
         """Route a request and return its lease (``token``: see RedisLoadBalancer.acquire)."""
         rid = validation.request_id(request_id)
-        tokens = [validation.request_id(token, "token")] if token is not None else None
-        return AsyncLease(self, (await self._run(self._core.acquire([rid], tokens)))[0])
+        checked = validation.request_id(token, "token") if token is not None else None
+        return AsyncLease(self, await self._acquire_one(rid, checked))
 
     @contextlib.asynccontextmanager
     async def lease(
@@ -188,7 +249,7 @@ class AsyncRedisLoadBalancer:
         """End the request's lease on that replica (without request_id: its oldest lease)."""
         sid = validation.server_id(server_id)
         rid = validation.request_id(request_id) if request_id is not None else None
-        return await self._run(self._core.release(sid, rid))
+        return await self._release_one(sid, rid)
 
     # -- the pool --------------------------------------------------------------------------
 

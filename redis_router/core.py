@@ -20,7 +20,7 @@ from .scripts import Script, load
 T = TypeVar("T")
 Op = Generator["Call", Any, T]
 
-# Expired leases reclaimed by each acquire / release before its own work: bounded, so a mass
+# Expired leases reclaimed by each acquire before its own work: bounded, so a mass
 # crash cannot make one call slow; reap() and later calls take the rest.
 REAP_BUDGET = 16
 # reap() reclaims in chunks of this size until a chunk comes back short.
@@ -240,8 +240,15 @@ class BalancerCore:
         ]
 
     def release(self, server_id: str, request_id: str | None, token: str | None = None) -> Op[bool]:
-        args = (_REAP_BUDGET, server_id, request_id or "", token or "")
-        return (yield Call(self._release, args)) == 1
+        args = (server_id, request_id or "", token or "")
+        return (yield Call(self._release, args))[0] == 1
+
+    def release_many(self, releases: list[tuple[str, str | None, str | None]]) -> Op[list[bool]]:
+        """End leases in order, in one call: (server id, request id, token) each, as release."""
+        flat: list[str] = []
+        for server_id, request_id, token in releases:
+            flat += (server_id, request_id or "", token or "")
+        return [done == 1 for done in (yield Call(self._release, tuple(flat)))]
 
     def renew(self, token: str) -> Op[bool]:
         return (yield Call(load("renew"), (self.lease_ms, token))) == 1

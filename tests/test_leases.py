@@ -82,10 +82,13 @@ def test_expired_leases_are_reclaimed_by_later_calls_in_bounded_steps(make_lb, r
     for i in range(40):
         lb.acquire_server(f"r{i}")
     time.sleep(0.6)
-    lb.release_server("s0", "nobody")  # reclaims at most 16 (REAP_BUDGET) first
-    assert lb.get_total_inflight() == 40 - 16
+    lease = lb.acquire("fresh")  # reclaims at most 16 (REAP_BUDGET) before taking its own
+    assert lb.get_total_inflight() == 40 - 16 + 1
+    assert not lb.release_server("s0", "nobody")  # releases do not reap (acquires do)
+    assert lb.get_total_inflight() == 40 - 16 + 1
+    lease.release()
     for _ in range(2):
-        lb.release_server("s0", "nobody")
+        lb.release_server(lb.acquire_server("fresh")[0], "fresh")
     assert invariants.check(r, lb.name) == {"s0": 0, "s1": 0}
 
 

@@ -1,0 +1,218 @@
+"""Coalescing: concurrent calls of one asyncio balancer share round trips, with the result of
+making them one after another, and a cancelled caller never leaks a lease."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+import redis
+
+from redis_router import AsyncRedisLoadBalancer, NoServersAvailable
+from redis_router.coalesce import Coalescer
+
+from . import invariants
+
+SERVERS = {f"s{i}": f"http://10.0.0.{i}:8000" for i in range(8)}
+
+
+def evalsha_calls(r: redis.Redis) -> int:
+    return int(r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+async def warm(lb: AsyncRedisLoadBalancer) -> None:
+    """Load the scripts (a first use answers NOSCRIPT, which counts as a call)."""
+    await lb.release_server((await lb.acquire_server("warm"))[0], "warm")
+
+
+def test_concurrent_calls_share_round_trips_and_balance_as_sequential_ones(server, r):
+    async def main() -> None:
+        async with AsyncRedisLoadBalancer(SERVERS, redis=server.url, name="co") as lb:
+            await warm(lb)
+            before = evalsha_calls(r)
+            got = await asyncio.gather(*(lb.acquire_server(f"q{i}") for i in range(64)))
+            # all 64 were made before the event loop's next turn: one round trip
+            assert evalsha_calls(r) - before == 1
+            # one after another, least-loaded fills 8 idle replicas evenly: 8 each
+            assert sorted(Counter(sid for sid, _ in got).values()) == [8] * 8
+            assert sum(invariants.check(r, "co").values()) == 64
+            before = evalsha_calls(r)
+            done = await asyncio.gather(
+                *(lb.release_server(sid, f"q{i}") for i, (sid, _) in enumerate(got))
+            )
+            assert evalsha_calls(r) - before == 1 and all(done)
+            assert set(invariants.check(r, "co").values()) == {0}
+
+    asyncio.run(main())
+
+
+def test_a_coalesced_batch_routes_as_sequential_awaits_with_the_same_seed(server, r):
+    ids = [f"u{i % 12}" for i in range(30)]  # 12 sessions, most with several turns
+
+    async def main() -> None:
+        kw: dict[str, Any] = {"redis": server.url}
+        async with (
+            AsyncRedisLoadBalancer(
+                SERVERS, name="seq", coalesce=False, rng=random.Random(5), **kw
+            ) as one_by_one,
+            AsyncRedisLoadBalancer(SERVERS, name="bat", rng=random.Random(5), **kw) as together,
+        ):
+            sequential = [await one_by_one.acquire_server(rid) for rid in ids]
+            before = evalsha_calls(r)
+            coalesced = await asyncio.gather(*(together.acquire_server(rid) for rid in ids))
+            assert evalsha_calls(r) - before == 1
+            assert coalesced == sequential
+            assert invariants.check(r, "seq") == invariants.check(r, "bat")
+
+    asyncio.run(main())
+
+
+def test_a_caller_cancelled_before_its_batch_is_sent_takes_nothing(server, r):
+    async def main() -> None:
+        async with AsyncRedisLoadBalancer(SERVERS, redis=server.url, name="cb") as lb:
+            gate, send = asyncio.Event(), lb._exec
+
+            async def held(call: Any) -> Any:
+                await gate.wait()
+                return await send(call)
+
+            lb._exec = held  # type: ignore[method-assign]
+            first = asyncio.ensure_future(lb.acquire_server("first"))
+            await asyncio.sleep(0.05)  # first is in flight, held at the gate
+            second = asyncio.ensure_future(lb.acquire_server("second"))
+            await asyncio.sleep(0.05)  # second waits in the queue
+            second.cancel()
+            gate.set()
+            sid, _ = await first
+            with pytest.raises(asyncio.CancelledError):
+                await second
+            await asyncio.sleep(0.05)
+            assert invariants.check(r, "cb") == {**dict.fromkeys(SERVERS, 0), sid: 1}
+            assert await lb.release_server(sid, "first")
+            assert not await lb.release_server(sid, "second")
+
+    asyncio.run(main())
+
+
+def test_a_caller_cancelled_after_its_batch_was_sent_leaks_no_lease(server, r):
+    async def main() -> None:
+        async with AsyncRedisLoadBalancer(SERVERS, redis=server.url, name="ca") as lb:
+            gate, send = asyncio.Event(), lb._exec
+
+            async def reply_held(call: Any) -> Any:
+                reply = await send(call)  # the lease is granted in Redis now
+                await gate.wait()
+                return reply
+
+            lb._exec = reply_held  # type: ignore[method-assign]
+            waiter = asyncio.ensure_future(lb.acquire_server("gone"))
+            await asyncio.sleep(0.1)
+            assert sum(invariants.check(r, "ca").values()) == 1
+            waiter.cancel()
+            gate.set()
+            with pytest.raises(asyncio.CancelledError):
+                await waiter
+            for _ in range(200):  # the orphaned lease is released in the background
+                if sum(invariants.check(r, "ca").values()) == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert set(invariants.check(r, "ca").values()) == {0}
+
+    asyncio.run(main())
+
+
+def test_a_refused_batch_is_retried_request_by_request(server, r):
+    """Batches are refused whole when one request has nowhere to go; a coalesced caller must
+    not fail because another one had nowhere to go."""
+
+    async def main() -> None:
+        async with AsyncRedisLoadBalancer({"s0": "a"}, redis=server.url, name="nb") as lb:
+            lease = await lb.acquire("sticky")
+            await lease.release()
+            await lb.drain_servers(["s0"])  # no replica takes new sessions; s0 keeps its own
+            got = await asyncio.gather(
+                lb.acquire_server("new-1"),
+                lb.acquire_server("sticky"),
+                lb.acquire_server("new-2"),
+                return_exceptions=True,
+            )
+            assert isinstance(got[0], NoServersAvailable)
+            assert got[1] == ("s0", "a")
+            assert isinstance(got[2], NoServersAvailable)
+            assert invariants.check(r, "nb") == {"s0": 1}
+
+    asyncio.run(main())
+
+
+def test_without_coalescing_each_call_is_its_own_round_trip(server, r):
+    async def main() -> None:
+        async with AsyncRedisLoadBalancer(
+            SERVERS, redis=server.url, name="nc", coalesce=False
+        ) as lb:
+            await warm(lb)
+            before = evalsha_calls(r)
+            got = await asyncio.gather(*(lb.acquire_server(f"q{i}") for i in range(10)))
+            assert evalsha_calls(r) - before == 10
+            await asyncio.gather(*(lb.release_server(s, f"q{i}") for i, (s, _) in enumerate(got)))
+            assert evalsha_calls(r) - before == 20
+
+    asyncio.run(main())
+
+
+def test_coalesce_must_be_a_bool():
+    with pytest.raises(TypeError, match="coalesce must be a bool"):
+        AsyncRedisLoadBalancer(SERVERS, redis="redis://127.0.0.1:1", coalesce="yes")  # type: ignore[arg-type]
+
+
+# -- the Coalescer alone (no Redis) ----------------------------------------------------------
+
+
+def test_a_batch_error_reaches_every_caller_and_item_errors_only_theirs():
+    sent: list[list[int]] = []
+
+    async def send(items: list[int]) -> list[int | BaseException]:
+        sent.append(items)
+        await asyncio.sleep(0.01)
+        if 13 in items:
+            raise ConnectionError("down")
+        return [ValueError(i) if i % 2 else i * 10 for i in items]
+
+    async def main() -> None:
+        co: Coalescer[int, int] = Coalescer(send)
+        first = asyncio.ensure_future(co.submit(0))
+        await asyncio.sleep(0.001)  # 0 is in flight: the rest wait and go together
+        rest = await asyncio.gather(*(co.submit(i) for i in range(1, 6)), return_exceptions=True)
+        got = [await first, *rest]
+        assert sent == [[0], [1, 2, 3, 4, 5]]
+        assert got[0] == 0 and got[2] == 20 and got[4] == 40
+        assert all(isinstance(got[i], ValueError) for i in (1, 3, 5))
+        got = await asyncio.gather(
+            co.submit(12), co.submit(13), co.submit(14), return_exceptions=True
+        )
+        assert all(isinstance(g, ConnectionError) for g in got)  # one batch: all of it fails
+        assert await co.submit(16) == 160  # and the next batch goes on
+
+    asyncio.run(main())
+
+
+def test_batches_are_capped_and_keep_arrival_order():
+    from redis_router import coalesce
+
+    sent: list[list[int]] = []
+
+    async def send(items: list[int]) -> list[int | BaseException]:
+        sent.append(items)
+        await asyncio.sleep(0)
+        return list(items)
+
+    async def main() -> None:
+        co: Coalescer[int, int] = Coalescer(send)
+        n = coalesce.MAX_BATCH + 10
+        assert await asyncio.gather(*(co.submit(i) for i in range(n))) == list(range(n))
+        assert [len(b) for b in sent] == [coalesce.MAX_BATCH, 10]
+        assert [i for b in sent for i in b] == list(range(n))
+
+    asyncio.run(main())
