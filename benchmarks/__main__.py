@@ -41,7 +41,8 @@ ROW_IDS = (
     "memory_lease",
     "throughput_vs_ray",
     "throughput_vs_watch",
-    "throughput_ceiling",
+    "throughput_uncoalesced",
+    "throughput_noop_round_trips",
     "watch_retry_rate",
 )
 
