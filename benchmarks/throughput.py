@@ -180,6 +180,11 @@ class Systems:
             self.ray.shutdown()
 
 
+def _per_run_ratio(systems: list[float], baselines: list[float]) -> float:
+    """Median of the ratios of runs made in the same turn (the load moves between turns)."""
+    return median([a / b for a, b in zip(systems, baselines, strict=True)])
+
+
 def ray_available() -> bool:
     return importlib.util.find_spec("ray") is not None
 
@@ -213,7 +218,7 @@ def run(url: str, sizes: Sizes, *, with_ray: bool = True) -> list[Row]:
                 "pairs/s",
                 baseline="Ray actor",
                 baseline_value=median(rates["ray"]),
-                ratio=median([a / b for a, b in zip(router, rates["ray"], strict=True)]),
+                ratio=_per_run_ratio(router, rates["ray"]),
                 target=(">=", 10),
                 note=shape + "; the actor's release is fire-and-forget, as in verl",
             )
@@ -226,22 +231,20 @@ def run(url: str, sizes: Sizes, *, with_ray: bool = True) -> list[Row]:
             "pairs/s",
             baseline="WATCH/MULTI",
             baseline_value=median(rates["watch"]),
-            ratio=median([a / b for a, b in zip(router, rates["watch"], strict=True)]),
+            ratio=_per_run_ratio(router, rates["watch"]),
             note=shape if not with_ray else "",
         )
     )
-    solo = rates["solo"]
+    against = "ray" if with_ray else "watch"
     rows.append(
         Row(
             "throughput_uncoalesced",
             "    redis-router with coalesce=False (a round trip per call)",
-            median(solo),
+            median(rates["solo"]),
             "pairs/s",
             baseline="Ray actor" if with_ray else "WATCH/MULTI",
-            baseline_value=median(rates["ray" if with_ray else "watch"]),
-            ratio=median(
-                [a / b for a, b in zip(solo, rates["ray" if with_ray else "watch"], strict=True)]
-            ),
+            baseline_value=median(rates[against]),
+            ratio=_per_run_ratio(rates["solo"], rates[against]),
         )
     )
     rows.append(
@@ -252,7 +255,7 @@ def run(url: str, sizes: Sizes, *, with_ray: bool = True) -> list[Row]:
             "pairs/s",
             baseline="redis-router",
             baseline_value=median(router),
-            ratio=median([b / a for a, b in zip(router, rates["noop"], strict=True)]),
+            ratio=_per_run_ratio(rates["noop"], router),
             note="what a round trip per call allows here; ratio = this / redis-router",
         )
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any
 
 from redis import exceptions as rx
@@ -64,7 +64,7 @@ class AsyncRedisLoadBalancer:
 
     ``coalesce`` (default True): acquires and releases made while another is in flight go
     together in the next round trip, with the result of making them one after another
-    (:mod:`redis_router.coalesce`); a lone call is sent at once. False sends each by itself.
+    (:mod:`redis_router.coalesce`); a lone call waits one loop turn. False sends each by itself.
     """
 
     def __init__(
@@ -177,11 +177,7 @@ class AsyncRedisLoadBalancer:
 
     def _release_orphan(self, _item: tuple[str, str | None], grant: Grant) -> None:
         """A caller was cancelled after its acquire was sent: end the lease it never got."""
-        release = asyncio.ensure_future(
-            self._release_one(grant.server_id, grant.request_id, grant.token)
-        )
-        _pending_releases.add(release)
-        release.add_done_callback(_pending_releases.discard)
+        _release_in_background(self._release_one(grant.server_id, grant.request_id, grant.token))
 
     async def _release_one(
         self, server_id: str, request_id: str | None, token: str | None = None
@@ -321,9 +317,14 @@ _pending_releases: set[asyncio.Future[bool]] = set()
 
 def _release_when_granted(task: asyncio.Future[AsyncLease]) -> None:
     if not task.cancelled() and task.exception() is None:
-        release = asyncio.ensure_future(task.result().release())
-        _pending_releases.add(release)
-        release.add_done_callback(_pending_releases.discard)
+        _release_in_background(task.result().release())
+
+
+def _release_in_background(release: Awaitable[bool]) -> None:
+    """Run a release nobody awaits, keeping a reference until it is done."""
+    pending = asyncio.ensure_future(release)
+    _pending_releases.add(pending)
+    pending.add_done_callback(_pending_releases.discard)
 
 
 async def _keep_alive(lease: AsyncLease, every: float) -> None:

@@ -240,8 +240,7 @@ class BalancerCore:
         ]
 
     def release(self, server_id: str, request_id: str | None, token: str | None = None) -> Op[bool]:
-        args = (server_id, request_id or "", token or "")
-        return (yield Call(self._release, args))[0] == 1
+        return (yield from self.release_many([(server_id, request_id, token)]))[0]
 
     def release_many(self, releases: list[tuple[str, str | None, str | None]]) -> Op[list[bool]]:
         """End leases in order, in one call: (server id, request id, token) each, as release."""
