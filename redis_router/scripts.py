@@ -1,4 +1,4 @@
-"""The Lua scripts: found in the wheel (``redis_router/lua``) or in a source checkout (``lua/``).
+"""The Lua scripts, shipped as package data in ``redis_router/lua``.
 
 ``lib.lua`` is prepended to every script, so the lease and sticky logic has one copy.
 Scripts run by EVALSHA; only when a server answers NOSCRIPT (first use, restart, failover) is
@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from functools import cache
+from importlib import resources
 from pathlib import Path
 
 NAMES = (
@@ -38,14 +39,15 @@ class Script:
 
 @cache
 def lua_dir() -> Path:
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "lua", here.parent / "lua"):
-        if (candidate / "lib.lua").is_file():
-            return candidate
-    raise FileNotFoundError(
-        f"redis_router's Lua scripts are missing: looked in {here / 'lua'} (wheel) and "
-        f"{here.parent / 'lua'} (source checkout); reinstall the package"
-    )
+    """The package's ``lua`` folder: in a checkout or an editable install a symlink to the
+    repository's top-level ``lua/``, in a wheel a copy of it (the build follows the symlink)."""
+    folder = resources.files("redis_router") / "lua"
+    if not isinstance(folder, Path) or not (folder / "lib.lua").is_file():
+        raise FileNotFoundError(
+            f"redis_router's Lua scripts are missing from {folder}; reinstall the package "
+            "(in a checkout, restore the symlink: git checkout redis_router/lua)"
+        )
+    return folder
 
 
 @cache

@@ -1,7 +1,10 @@
-"""The Lua scripts are the single source: shipped in the wheel, found from a source checkout."""
+"""Package data has one home and one way in: ``redis_router/lua`` and ``redis_router/plugins`` are
+symlinks to the repository's top-level folders, read through ``importlib.resources``, and a
+built wheel carries copies of both."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -16,8 +19,15 @@ ROOT = Path(__file__).resolve().parent.parent
 LUA = sorted(p.name for p in (ROOT / "lua").glob("*.lua"))
 
 
+def test_package_data_folders_are_symlinks_to_the_top_level_folders():
+    for name in ("lua", "plugins"):
+        link = ROOT / "redis_router" / name
+        assert link.is_symlink() and os.readlink(link) == f"../{name}", link
+    assert scripts.lua_dir() == ROOT / "redis_router" / "lua"
+
+
 def test_editable_install_reads_the_repository_scripts():
-    assert scripts.lua_dir() == ROOT / "lua"
+    assert scripts.lua_dir().resolve() == ROOT / "lua"
     for name in scripts.NAMES:
         assert f"-- {name}.lua:" in scripts.load(name).source  # every script has its header
 
@@ -34,9 +44,20 @@ def test_every_lua_script_opens_with_its_contract():
 
 ROUTE = """
 import sys, redis_router
-from redis_router import RedisLoadBalancer, scripts
+from redis_router import RedisLoadBalancer, get_router_handle, scripts
+from redis_router.loader import registered_routers
 lb = RedisLoadBalancer({"s0": "http://a"}, redis=sys.argv[1], name="wheel")
-print(redis_router.__file__, scripts.lua_dir(), lb.acquire_server("r1"), sep="|")
+plugin = get_router_handle({"t0": None}, "pkg://redis_router.plugins/least_tokens.yaml")
+by_entry_point = registered_routers()["least_tokens"].load()
+print(
+    redis_router.__file__,
+    scripts.lua_dir(),
+    sys.modules[type(plugin).__module__].__file__,
+    type(plugin) is by_entry_point,
+    lb.acquire_server("r1"),
+    plugin.acquire_server("r2", prompt_ids=[1, 2, 3])[0],
+    sep="|",
+)
 """
 
 
@@ -50,6 +71,8 @@ def test_wheel_in_a_fresh_venv_ships_scripts_and_routes(tmp_path):
     wheel = next(tmp_path.glob("redis_router-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert {f"redis_router/lua/{n}" for n in LUA} <= set(names)
+    plugins = {p.name for p in (ROOT / "plugins").iterdir() if p.suffix in (".py", ".lua", ".yaml")}
+    assert {f"redis_router/plugins/{n}" for n in plugins} <= set(names)
     assert "redis_router/py.typed" in names
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
@@ -64,14 +87,17 @@ def test_wheel_in_a_fresh_venv_ships_scripts_and_routes(tmp_path):
         out = subprocess.run(
             [str(py), "-c", ROUTE, srv.url],
             cwd=tmp_path,
+            env={**os.environ, "REDIS_URL": srv.url},
             check=True,
             timeout=60,
             capture_output=True,
             text=True,
         ).stdout.strip()
-    module, lua_dir, routed = out.split("|")
-    assert module.startswith(str(venv)) and lua_dir.startswith(str(venv))
-    assert routed == "('s0', 'http://a')"
+    module, lua_dir, plugin, same_class, routed, plugin_routed = out.split("|")
+    for path in (module, lua_dir, plugin):
+        assert path.startswith(str(venv)), path
+    assert same_class == "True"
+    assert routed == "('s0', 'http://a')" and plugin_routed == "t0"
 
 
 def test_python_dash_m_runs_the_command_line():
