@@ -39,6 +39,7 @@ ROW_IDS = (
     "memory_string_ttl",
     "memory_hash_field",
     "memory_lease",
+    "memory_release_record",
     "throughput_vs_ray",
     "throughput_vs_watch",
     "throughput_uncoalesced",

@@ -48,26 +48,34 @@ def _fresh(client: redis.Redis) -> int:
     return used_memory(client)
 
 
-def measure_router(client: redis.Redis, n: int) -> tuple[float, float]:
-    """(bytes per sticky session, bytes per in-flight lease) for redis-router."""
+def measure_router(client: redis.Redis, n: int) -> tuple[float, float, float]:
+    """(bytes per sticky session, per in-flight lease, per remembered release) for
+    redis-router. Releases are remembered for a while so that a resent copy is recognised."""
     _fresh(client)
-    lb = RedisLoadBalancer(
-        servers(8), redis=client, name="bench-mem", sticky_ttl=STICKY_TTL, lease_ttl=0.001
-    )
+    lb = RedisLoadBalancer(servers(8), redis=client, name="bench-mem", sticky_ttl=STICKY_TTL)
     before = used_memory(client)
+    batches = []
     for lo in range(0, n, BATCH):
-        lb.acquire_many(_ids(min(BATCH, n - lo)))
+        rids = _ids(min(BATCH, n - lo))
+        batches.append(list(zip((sid for sid, _ in lb.acquire_many(rids)), rids, strict=True)))
     _settled(client)
     with_leases = used_memory(client)
-    time.sleep(0.01)
-    lb.reap()
+    for batch in batches:
+        lb._run(lb._core.release_many([(sid, rid, None) for sid, rid in batch]))
     assert lb.get_total_inflight() == 0
+    _settled(client)
+    with_records = used_memory(client)
+    client.delete(lb._core.prefix + "ended")
     _settled(client)
     sticky_only = used_memory(client)
     status = lb.get_status()
     assert status["sticky_sessions"] == n, status["sticky_sessions"]
     lb.destroy()
-    return (sticky_only - before) / n, (with_leases - sticky_only) / n
+    return (
+        (sticky_only - before) / n,
+        (with_leases - sticky_only) / n,
+        (with_records - sticky_only) / n,
+    )
 
 
 def measure_reference(client: redis.Redis, n: int, layout: str) -> float:
@@ -91,7 +99,7 @@ def measure_reference(client: redis.Redis, n: int, layout: str) -> float:
 
 def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
     n = sizes.sessions
-    per_session, per_lease = measure_router(client, n)
+    per_session, per_lease, per_release = measure_router(client, n)
     string_ttl = measure_reference(client, n, "string_ttl")
     hash_field = measure_reference(client, n, "hash_field")
     client.execute_command("FLUSHALL", "SYNC")
@@ -128,6 +136,12 @@ def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
             "memory_lease",
             "    in-flight lease state, per lease (freed on release)",
             per_lease,
+            "B",
+        ),
+        Row(
+            "memory_release_record",
+            "    remembered release, per release (kept 30 s for resends)",
+            per_release,
             "B",
         ),
     ]

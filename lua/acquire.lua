@@ -1,12 +1,14 @@
 -- acquire.lua: route one or more requests and take a lease for each, atomically.
 -- KEYS[1]  key prefix "rr:{NAME}:"
--- ARGV[1]  lease ttl (ms)            ARGV[2]  sticky bucket width (ms)
--- ARGV[3]  sticky ttl (ms)           ARGV[4]  buckets to search back
--- ARGV[5]  1 = full_determinism      ARGV[6]  reap budget (expired leases reclaimed first)
--- ARGV[7..] triples: request id, lease token (client-made, unique), random integer (tie-break)
+-- ARGV[1]  lease ttl (ms): the holder's heartbeat deadline moves to now + this
+-- ARGV[2]  sticky bucket width (ms)  ARGV[3]  sticky ttl (ms), checked against the pinned one
+-- ARGV[4]  buckets to search back    ARGV[5]  1 = full_determinism
+-- ARGV[6]  reap budget (entries of dead holders examined first)   ARGV[7]  holder
+-- ARGV[8..] triples: request id, lease token (client-made, unique), random integer (tie-break)
 -- Returns  flat array: per request, server id, its JSON metadata (or false), and
 --          0 = balanced, 1 = sticky hit, 2 = retry of a token already granted (not counted twice).
--- Error    "NOSERVERS ..." when some request has no replica to go to; nothing is written then.
+-- Error    "NOSERVERS ..." when some request has no replica to go to, "CONFIGMISMATCH <ms>" when
+--          another sticky ttl is pinned; nothing is written then.
 -- Keeps    I1 (count +1 with lease), I3 (sticky first while in pool), I4 (least loaded, client
 --          entropy), I5 (rendezvous), I6 (only pool members chosen), I7 (keys from KEYS[1]).
 --          The procedure itself is acquire_all in lib.lua, shared with router plugins.

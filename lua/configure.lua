@@ -1,7 +1,7 @@
--- configure.lua: pin settings that every process of one balancer must share.
+-- configure.lua: read the settings every process of one balancer must share (read only: the
+-- first acquire pins them, so constructing a balancer or running a read-only command never
+-- writes).
 -- KEYS[1]  key prefix "rr:{NAME}:"
--- ARGV[1]  sticky ttl (ms) this process wants
--- Returns  the sticky ttl (ms) pinned in Redis (this one if it is the first).
--- Keeps    the sticky bucket layout identical across processes (I3).
-redis.call('HSETNX', P .. 'config', 'sticky_ttl_ms', ARGV[1])
+-- Returns  the pinned sticky ttl (ms), or false when none is pinned yet.
+-- Keeps    read only.
 return redis.call('HGET', P .. 'config', 'sticky_ttl_ms')

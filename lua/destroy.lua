@@ -11,11 +11,14 @@ for _, zs in ipairs({ 'load', 'draining' }) do
     n = n + redis.call('DEL', P .. 'held:' .. id)
   end
 end
+for _, holder in ipairs(redis.call('ZRANGE', P .. 'holders', 0, -1)) do
+  n = n + redis.call('DEL', P .. 'owned:' .. holder)
+end
 for b = cur + 1, cur - span, -1 do
   n = n + redis.call('DEL', P .. 'sticky:' .. b, P .. 'stickyn:' .. b)
 end
-for _, k in ipairs({ 'servers', 'load', 'draining', 'leases', 'byreq', 'due', 'acquires',
-                     'sticky_hits', 'reclaimed', 'config', 'weights', 'weighted' }) do
+for _, k in ipairs({ 'servers', 'load', 'draining', 'leases', 'byreq', 'holders', 'ended',
+                     'acquires', 'sticky_hits', 'reclaimed', 'config', 'weights', 'weighted' }) do
   n = n + redis.call('DEL', P .. k)
 end
 return n

@@ -5,21 +5,30 @@
 --   P.."servers"        HASH  server id -> JSON metadata (the pool)
 --   P.."load"           ZSET  server id -> in-flight count, replicas that take new sessions
 --   P.."draining"       ZSET  server id -> in-flight count, replicas that only serve sticky ones
---   P.."held:"..id      ZSET  lease token -> expiry (ms, Redis clock): the leases on one replica
---   P.."leases"         HASH  lease token -> id.."\31"..request id
+--   P.."held:"..id      ZSET  lease token -> acquired at (ms, Redis clock): leases on one replica
+--   P.."leases"         HASH  lease token -> id.."\31"..request id.."\31"..holder
 --   P.."byreq"          HASH  id.."\31"..request id -> lease tokens, space separated
---   P.."due"            ZSET  server id -> lower bound of its earliest lease expiry
+--   P.."holders"        ZSET  holder -> deadline (ms): a holder (one balancer instance in one
+--                             process) is alive while its heartbeats keep the deadline ahead
+--   P.."owned:"..h      ZSET  lease token -> acquired or renewed at (ms): the leases of holder h
+--   P.."ended"          ZSET  release key (a token or a client-made operation id) -> ended at
+--                             (ms): a resent release finds its first copy's result here
 --   P.."sticky:"..b     HASH  request id -> server id, sessions last seen in time bucket b
 --   P.."stickyn:"..b    HASH  server id -> sessions in bucket b (expires with it)
 --   P.."acquires", P.."sticky_hits", P.."reclaimed"   HASH  server id -> counter
---   P.."config"         HASH  settings pinned by the first process (sticky_ttl_ms)
+--   P.."config"         HASH  settings every process must share (sticky_ttl_ms)
 --   P.."weights"        HASH  lease token -> weight, for routers that weigh requests (tokens)
 --   P.."weighted"       ZSET  server id -> sum of the weights of its leases
--- Invariant I1: ZSCORE load|draining id == ZCARD held:id, always, after every script.
+-- Invariants (docs/design.md): I1 ZSCORE load|draining id == ZCARD held:id after every script;
+-- every lease is in its holder's owned set and every owned token is a lease; a holder leaves
+-- P.."holders" only once it owns nothing, so no lease is ever out of reach of reaping (I2).
 
 local P = KEYS[1]
 local SEP = '\31'
 local LOAD = P .. 'load'
+-- ARGV[1..HEAD] of every acquire: lease ttl (ms), sticky bucket width (ms), sticky ttl (ms),
+-- buckets to search back, router flag, reap budget, holder. Requests start at ARGV[HEAD + 1].
+local HEAD = 7
 -- Hot path: a redis.call costs ~0.2 us, and turning a number into a string ~0.3 us (Lua's
 -- tostring and the server's "%.17g" both go through printf for doubles), against ~0.03 us
 -- for int() below. So the acquire and release paths pass integers through int(), constants
@@ -39,12 +48,20 @@ local function pool_of(id)
   return nil
 end
 
+-- A lease record is id..SEP..request id..SEP..holder; its first two parts name its request
+-- index field.
 local function server_of(rec)
   return string.sub(rec, 1, string.find(rec, SEP, 1, true) - 1)
 end
 
--- Remove token from the request index (field = id..SEP..request id); `toks`: the field's
--- value when the caller has already read it.
+local function split_record(rec)
+  local a = string.find(rec, SEP, 1, true)
+  local b = string.find(rec, SEP, a + 1, true)
+  return string.sub(rec, 1, a - 1), string.sub(rec, 1, b - 1), string.sub(rec, b + 1)
+end
+
+-- Remove token from the request index entry `field`; `toks`: the entry when the caller has
+-- already read it.
 local function forget_token(field, token, toks)
   toks = toks or redis.call('HGET', P .. 'byreq', field)
   if not toks then return end
@@ -63,48 +80,70 @@ local function forget_token(field, token, toks)
   end
 end
 
--- Delete one lease's records, and its weight if it has one. The caller adjusts the count (I1).
--- Every script that ends leases goes through here, so weighted loads stay exact too.
--- `rec` (the lease's record) and `toks` (its request index entry) when the caller has already
--- read them: each saves one HGET on the release path.
-local function drop_lease(id, token, rec, toks)
+-- End one lease: its record, index entries, holder entry, weight and count (I1). Every script
+-- that ends leases goes through here. `rec` (the lease's record) and `toks` (its request index
+-- entry) when the caller has already read them: each saves one HGET on the release path.
+-- Returns the replica, or nil when there was no such lease.
+local function end_lease(token, rec, toks)
   rec = rec or redis.call('HGET', P .. 'leases', token)
-  if rec then
-    redis.call('HDEL', P .. 'leases', token)
-    forget_token(rec, token, toks)
-    local w = redis.call('HGET', P .. 'weights', token)
-    if w then
-      redis.call('HDEL', P .. 'weights', token)
-      redis.call('ZINCRBY', P .. 'weighted', -tonumber(w), id)
-    end
+  if not rec then return nil end
+  local id, field, holder = split_record(rec)
+  redis.call('HDEL', P .. 'leases', token)
+  forget_token(field, token, toks)
+  redis.call('ZREM', P .. 'owned:' .. holder, token)
+  local w = redis.call('HGET', P .. 'weights', token)
+  if w then
+    redis.call('HDEL', P .. 'weights', token)
+    redis.call('ZINCRBY', P .. 'weighted', -tonumber(w), id)
   end
   redis.call('ZREM', P .. 'held:' .. id, token)
+  -- ZADD XX INCR changes the count only where the replica is (load, else draining).
+  if not redis.call('ZADD', LOAD, 'XX', 'INCR', '-1', id) then
+    redis.call('ZADD', P .. 'draining', 'XX', 'INCR', '-1', id)
+  end
+  return id
 end
 
--- Reclaim at most `budget` expired leases, each exactly once (I2). Returns how many.
+-- Reclaim the leases of dead holders (deadline passed: the process stopped sending heartbeats),
+-- each exactly once (I2). At most `budget` entries are examined (a lease or a holder each), so
+-- one call stays short however many leases a crash left. Returns how many leases ended and
+-- how many entries were examined.
 local function reap(now, budget)
-  local n, now_s = 0, int(now)
-  while n < budget do
-    local due = redis.call('ZRANGEBYSCORE', P .. 'due', '-inf', now_s, 'LIMIT', '0', '1')
-    if #due == 0 then break end
-    local id = due[1]
-    local held = P .. 'held:' .. id
-    local gone = redis.call('ZRANGEBYSCORE', held, '-inf', now_s, 'LIMIT', '0', int(budget - n))
-    if #gone > 0 then
-      for _, token in ipairs(gone) do drop_lease(id, token) end
-      n = n + #gone
-      local zs = pool_of(id)
-      if zs then redis.call('ZINCRBY', zs, -#gone, id) end
-      redis.call('HINCRBY', P .. 'reclaimed', id, #gone)
+  local n, seen, now_s = 0, 0, int(now)
+  while seen < budget do
+    local dead = redis.call('ZRANGEBYSCORE', P .. 'holders', '-inf', now_s, 'LIMIT', '0', '1')
+    if #dead == 0 then break end
+    local owned = P .. 'owned:' .. dead[1]
+    local toks = redis.call('ZRANGE', owned, '0', int(budget - seen - 1))
+    seen = seen + 1 + #toks
+    for _, token in ipairs(toks) do
+      local id = end_lease(token)
+      if id then
+        n = n + 1
+        redis.call('HINCRBY', P .. 'reclaimed', id, '1')
+      else
+        redis.call('ZREM', owned, token)
+      end
     end
-    local first = redis.call('ZRANGE', held, 0, 0, 'WITHSCORES')
-    if #first == 0 then
-      redis.call('ZREM', P .. 'due', id)
-    else
-      redis.call('ZADD', P .. 'due', first[2], id)
-    end
+    if redis.call('EXISTS', owned) == 0 then redis.call('ZREM', P .. 'holders', dead[1]) end
   end
-  return n
+  return n, seen
+end
+
+-- Mark a holder alive until now + ttl (never moving its deadline back). The first time it is
+-- seen (or again after it was declared dead, or the keys were lost) its process's settings
+-- are checked against the pinned ones, and pinned if there are none: every process that
+-- acquires checks them, not only at start-up. Returns an error reply on a mismatch.
+local function heartbeat(holder, now, ttl, sticky_ms)
+  if redis.call('ZADD', P .. 'holders', 'GT', int(now + ttl), holder) == 0 then return nil end
+  local pinned = redis.call('HGET', P .. 'config', 'sticky_ttl_ms')
+  if not pinned then
+    redis.call('HSET', P .. 'config', 'sticky_ttl_ms', sticky_ms)
+  elseif pinned ~= sticky_ms then
+    redis.call('ZREM', P .. 'holders', holder)
+    return redis.error_reply('CONFIGMISMATCH ' .. pinned)
+  end
+  return nil
 end
 
 -- Least in-flight among the replicas that take new sessions; ties broken uniformly by the
@@ -210,7 +249,7 @@ end
 
 -- One request (the common case): the straight sequential procedure, without the batch's
 -- tables. Its arguments start at ARGV[i]; the caller has reaped and knows `now` and `cur`.
-local function acquire_one(i, choose, granted, now, cur, lease_ms, width, ttl, span)
+local function acquire_one(i, choose, granted, now, cur, holder, width, ttl, span)
   local req, token = ARGV[i], ARGV[i + 1]
   local rec = redis.call('HGET', P .. 'leases', token)
   if rec then
@@ -237,11 +276,11 @@ local function acquire_one(i, choose, granted, now, cur, lease_ms, width, ttl, s
       redis.call('ZINCRBY', LOAD, '1', id)
     end
   end
-  local expires = int(now + lease_ms)
-  redis.call('ZADD', P .. 'held:' .. id, expires, token)
-  redis.call('ZADD', P .. 'due', 'LT', expires, id)
+  local at = int(now)
+  redis.call('ZADD', P .. 'held:' .. id, at, token)
+  redis.call('ZADD', P .. 'owned:' .. holder, at, token)
   local field = id .. SEP .. req
-  redis.call('HSET', P .. 'leases', token, field)
+  redis.call('HSET', P .. 'leases', token, field .. SEP .. holder)
   if redis.call('HSETNX', P .. 'byreq', field, token) == 0 then
     redis.call('HSET', P .. 'byreq', field, redis.call('HGET', P .. 'byreq', field) .. ' ' .. token)
   end
@@ -267,31 +306,36 @@ local function acquire_one(i, choose, granted, now, cur, lease_ms, width, ttl, s
 end
 
 -- The acquire procedure every router shares (the core's acquire.lua and plugins' scripts).
--- ARGV[1] lease ttl (ms), ARGV[2] sticky bucket width (ms), ARGV[3] sticky ttl (ms),
--- ARGV[4] buckets to search back, ARGV[5] router flag (core: 1 = full_determinism),
--- ARGV[6] reap budget; then `stride` arguments per request starting at ARGV[7]: request id,
--- lease token, random integer, then the router's own.
+-- ARGV[1] holder's lease ttl (ms: its heartbeat deadline is pushed to now + this),
+-- ARGV[2] sticky bucket width (ms), ARGV[3] sticky ttl (ms), ARGV[4] buckets to search back,
+-- ARGV[5] router flag (core: 1 = full_determinism), ARGV[6] reap budget, ARGV[7] holder;
+-- then `stride` arguments per request starting at ARGV[HEAD + 1]: request id, lease token,
+-- random integer, then the router's own.
 -- choose(i) picks the replica for a new session whose arguments start at ARGV[i] (nil: none);
 -- granted(i, id, token), if given, runs after each new lease is counted (its replica's count
 -- is already +1; the lease records themselves are written when the whole batch is routed).
 -- Returns a flat array: per request, server id, JSON metadata, and 0 = balanced, 1 = sticky,
--- 2 = retry of a granted token; or the error NOSERVERS before anything is written.
+-- 2 = retry of a granted token; or the error NOSERVERS (CONFIGMISMATCH: this process's
+-- sticky ttl is not the pinned one) before anything is written.
 -- The result and the final state are those of acquiring the requests one after another; the
 -- lookups are read up front (one HMGET per key) and the writes that commute are grouped per
 -- replica at the end, so a batch of K costs a few calls per request, not ~20.
 local function acquire_all(stride, choose, granted)
   local lease_ms, width, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
   local span, budget = tonumber(ARGV[4]), tonumber(ARGV[6])
+  local holder = ARGV[7]
   local now = now_ms()
   local cur = math.floor(now / width)
+  local refused = heartbeat(holder, now, lease_ms, ARGV[3])
+  if refused then return refused end
   reap(now, budget)
-  if #ARGV == 6 + stride then
-    return acquire_one(7, choose, granted, now, cur, lease_ms, width, ttl, span)
+  if #ARGV == HEAD + stride then
+    return acquire_one(HEAD + 1, choose, granted, now, cur, holder, width, ttl, span)
   end
 
   -- Read up front: the leases of the tokens (retries) and the sticky entries of the requests.
   local n, reqs, toks = 0, {}, {}
-  for i = 7, #ARGV, stride do
+  for i = HEAD + 1, #ARGV, stride do
     n = n + 1
     reqs[n], toks[n] = ARGV[i], ARGV[i + 1]
   end
@@ -345,9 +389,9 @@ local function acquire_all(stride, choose, granted)
   end
 
   local out, no = {}, 0
-  local expires = int(now + lease_ms)
+  local at = int(now)
   local granted_tok = {} -- tokens granted earlier in this batch -> lease record
-  local lease_kv, nl = {}, 0
+  local lease_kv, owned_kv, nl = {}, {}, 0
   local held, held_ids, acquires = {}, {}, {} -- per replica: {expiry, token, ...}, count
   local byreq, byreq_f = {}, {} -- request index field -> new tokens, in first-seen order
   local hits, hit_ids, meta = {}, {}, {}
@@ -364,7 +408,7 @@ local function acquire_all(stride, choose, granted)
     per[id] = (per[id] or 0) + d
   end
   for j = 1, n do
-    local i = 7 + (j - 1) * stride
+    local i = HEAD + 1 + (j - 1) * stride
     local req, token = reqs[j], toks[j]
     local id, how
     local rec = granted_tok[token] or recs[j]
@@ -384,7 +428,8 @@ local function acquire_all(stride, choose, granted)
       if zs == LOAD then load_incremented(score, id) end
       local field = id .. SEP .. req
       granted_tok[token] = field
-      lease_kv[nl + 1], lease_kv[nl + 2], nl = token, field, nl + 2
+      lease_kv[nl + 1], lease_kv[nl + 2] = token, field .. SEP .. holder
+      owned_kv[nl + 1], owned_kv[nl + 2], nl = at, token, nl + 2
       local h = held[id]
       if not h then
         h = {}
@@ -392,7 +437,7 @@ local function acquire_all(stride, choose, granted)
         held_ids[#held_ids + 1] = id
       end
       local c = acquires[id]
-      h[2 * c + 1], h[2 * c + 2], acquires[id] = expires, token, c + 1
+      h[2 * c + 1], h[2 * c + 2], acquires[id] = at, token, c + 1
       local t = byreq[field]
       if t then
         byreq[field] = t .. ' ' .. token
@@ -432,9 +477,9 @@ local function acquire_all(stride, choose, granted)
   -- The writes that commute, grouped: lease records, the request index, sticky buckets, stats.
   if nl > 0 then
     flat_call('HSET', P .. 'leases', lease_kv)
+    flat_call('ZADD', P .. 'owned:' .. holder, owned_kv)
     for _, id in ipairs(held_ids) do
       flat_call('ZADD', P .. 'held:' .. id, held[id])
-      redis.call('ZADD', P .. 'due', 'LT', expires, id)
       redis.call('HINCRBY', P .. 'acquires', id, int(acquires[id]))
     end
     local prev = hmget(P .. 'byreq', byreq_f, #byreq_f)

@@ -1,6 +1,10 @@
--- reap.lua: reclaim expired leases now (their holders died or forgot to release).
+-- reap.lua: reclaim the leases of dead holders now (processes that stopped sending heartbeats).
 -- KEYS[1]  key prefix "rr:{NAME}:"
--- ARGV[1]  budget: most leases to reclaim in this call (the caller repeats while it is met)
--- Returns  how many leases were reclaimed.
--- Keeps    I1, I2: each expired lease is reclaimed exactly once, its count with it.
-return reap(now_ms(), tonumber(ARGV[1]))
+-- ARGV[1]  budget: most entries to examine in this call (the caller repeats while it is met)
+-- ARGV[2]  how long resent releases are recognised (ms)
+-- Returns  { leases reclaimed, entries examined }.
+-- Keeps    I1, I2: each lease of a dead holder is reclaimed exactly once, its count with it.
+local now = now_ms()
+redis.call('ZREMRANGEBYSCORE', P .. 'ended', '-inf', int(now - tonumber(ARGV[2])))
+local reclaimed, examined = reap(now, tonumber(ARGV[1]))
+return { reclaimed, examined }

@@ -1,41 +1,42 @@
 -- release.lua: end one or more leases, in order.
 -- KEYS[1]  key prefix "rr:{NAME}:"
--- ARGV     triples: server id, request id or '', token or ''
+-- ARGV     quads: server id, request id or '', token or '', operation id (client-made,
+--          unique per call, the same in a resent copy)
 --          With a token, that lease ends (the token decides the replica). With a request id,
---          the oldest lease of that request on that replica ends. With neither, the lease on
---          that replica closest to expiry (normally the oldest) ends.
--- Returns  per triple, 1 if a lease ended, 0 if there was none (released twice, reaped,
---          unknown or removed replica: a harmless no-op, I6).
--- Keeps    I1 (count -1 with its lease, never below 0), I2, I6. It does not reap: acquires
---          do (they need exact counts), so a release, half of every request's cost, stays
---          at five commands and reads no clock.
-local function release(id, req, token)
+--          the oldest lease of that request on that replica ends; with neither, the oldest
+--          lease on that replica.
+-- Returns  per quad, 1 if a lease ended, by this call or by an earlier copy of it (a resend
+--          after a timeout), 0 if there was none (released twice, reclaimed, unknown or
+--          removed replica: a harmless no-op, I6).
+-- Keeps    I1 (count -1 with its lease, never below 0), I2, I6. Safe to resend: the
+--          operation id is remembered in P.."ended" (trimmed by heartbeat.lua), so a second
+--          copy reports the first one's result and never ends another lease.
+local now
+local function release(id, req, token, op)
   local rec, toks
   if token ~= '' then
     rec = redis.call('HGET', P .. 'leases', token)
-    if not rec then return 0 end
-    id = server_of(rec)
-  elseif req ~= '' then
-    -- Every token listed under a request index field has that field as its lease record.
-    rec = id .. SEP .. req
-    toks = redis.call('HGET', P .. 'byreq', rec)
-    if not toks then return 0 end
-    token = string.match(toks, '^%S+')
+    -- Not a lease (any more): ended by an earlier copy of this call, or by another.
+    if not rec then return redis.call('ZSCORE', P .. 'ended', op) and 1 or 0 end
   else
-    local first = redis.call('ZRANGE', P .. 'held:' .. id, '0', '0')
-    if #first == 0 then return 0 end
-    token = first[1]
+    if redis.call('ZSCORE', P .. 'ended', op) then return 1 end
+    if req ~= '' then
+      -- Every token listed under a request index field has that field as its record's start.
+      toks = redis.call('HGET', P .. 'byreq', id .. SEP .. req)
+      token = toks and string.match(toks, '^%S+')
+    else
+      token = redis.call('ZRANGE', P .. 'held:' .. id, '0', '0')[1]
+    end
+    if not token then return 0 end
   end
-  drop_lease(id, token, rec, toks)
-  -- ZADD XX INCR changes the count only where the replica is (load, else draining).
-  if not redis.call('ZADD', LOAD, 'XX', 'INCR', '-1', id) then
-    redis.call('ZADD', P .. 'draining', 'XX', 'INCR', '-1', id)
-  end
+  end_lease(token, rec, toks)
+  now = now or now_ms()
+  redis.call('ZADD', P .. 'ended', now, op)
   return 1
 end
 
 local out = {}
-for i = 1, #ARGV, 3 do
-  out[#out + 1] = release(ARGV[i], ARGV[i + 1], ARGV[i + 2])
+for i = 1, #ARGV, 4 do
+  out[#out + 1] = release(ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
 end
 return out

@@ -8,9 +8,8 @@
 local removed = 0
 for _, id in ipairs(ARGV) do
   local held = P .. 'held:' .. id
-  for _, token in ipairs(redis.call('ZRANGE', held, 0, -1)) do drop_lease(id, token) end
+  for _, token in ipairs(redis.call('ZRANGE', held, 0, -1)) do end_lease(token) end
   redis.call('DEL', held)
-  redis.call('ZREM', P .. 'due', id)
   redis.call('ZREM', P .. 'weighted', id)
   removed = removed + redis.call('ZREM', P .. 'load', id) + redis.call('ZREM', P .. 'draining', id)
   redis.call('HDEL', P .. 'servers', id)

@@ -1,9 +1,10 @@
 -- status.lua: one consistent snapshot of the balancer, for get_status and operators.
 -- KEYS[1]  key prefix "rr:{NAME}:"
 -- ARGV[1]  sticky bucket width (ms)    ARGV[2]  buckets to search back
--- Returns  { sticky session total, now (ms), rows } where each row is
---          { id, in-flight, draining (0/1), live leases, sticky sessions, acquires,
---            sticky hits, reclaimed, JSON metadata }
+-- Returns  { sticky session total, now (ms), rows, holders } where each row is
+--          { id, in-flight, draining (0/1), leases, sticky sessions, acquires,
+--            sticky hits, reclaimed, JSON metadata } and holders is { live, dead, leases of
+--          dead holders awaiting reclaim }
 -- Keeps    read only.
 local width, span = tonumber(ARGV[1]), tonumber(ARGV[2])
 local now = now_ms()
@@ -26,7 +27,7 @@ for d, zs in ipairs({ 'load', 'draining' }) do
     end
     rows[#rows + 1] = {
       id, tonumber(ids[i + 1]), d - 1,
-      redis.call('ZCOUNT', P .. 'held:' .. id, now, '+inf'), sticky,
+      redis.call('ZCARD', P .. 'held:' .. id), sticky,
       tonumber(redis.call('HGET', P .. 'acquires', id) or 0),
       tonumber(redis.call('HGET', P .. 'sticky_hits', id) or 0),
       tonumber(redis.call('HGET', P .. 'reclaimed', id) or 0),
@@ -34,4 +35,8 @@ for d, zs in ipairs({ 'load', 'draining' }) do
     }
   end
 end
-return { sessions, now, rows }
+local dead = redis.call('ZRANGEBYSCORE', P .. 'holders', '-inf', now)
+local waiting = 0
+for _, holder in ipairs(dead) do waiting = waiting + redis.call('ZCARD', P .. 'owned:' .. holder) end
+local live = redis.call('ZCOUNT', P .. 'holders', '(' .. now, '+inf')
+return { sessions, now, rows, { live, #dead, waiting } }

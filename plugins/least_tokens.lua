@@ -1,15 +1,15 @@
 -- least_tokens.lua: route new sessions to the replica with the fewest in-flight prompt tokens.
 -- lib.lua is prepended (scripts.load_file): leases, stickiness and reaping are the core's.
 -- KEYS[1]  key prefix "rr:{NAME}:"
--- ARGV[1..6] as acquire.lua (lease ttl, sticky bucket width, sticky ttl, buckets to search
---          back, 1 = full_determinism, reap budget)
--- ARGV[7..] quads: request id, lease token, random integer (tie-break), weight (prompt tokens,
+-- ARGV[1..HEAD] as acquire.lua (lease ttl, sticky bucket width, sticky ttl, buckets to search
+--          back, 1 = full_determinism, reap budget, holder)
+-- ARGV[HEAD + 1..] quads: request id, lease token, random integer (tie-break), weight (prompt tokens,
 --          an integer >= 0)
 -- Returns  as acquire.lua: per request, server id, JSON metadata, 0 balanced / 1 sticky / 2 retry.
 -- Keeps    I1-I7 as acquire.lua (acquire_all), plus: P.."weighted" holds, per replica, the sum
 --          of the weights of its live leases, and P.."weights" the weight of each weighed
 --          lease. Every path that ends a lease (release, reap, remove) goes through lib.lua's
---          drop_lease, which subtracts the weight, so the sums stay exact.
+--          end_lease, which subtracts the weight, so the sums stay exact.
 -- Choice   least in-flight tokens among the replicas taking new sessions (in P.."load"; a
 --          draining replica gets only its sticky sessions); ties uniformly at random from the
 --          client's integer (never Lua's RNG, DESIGN.md). O(log N) while no replica drains;

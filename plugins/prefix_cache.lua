@@ -2,8 +2,8 @@
 -- and take a lease for each, atomically. Built on lib.lua's acquire_all, so retries, sticky
 -- sessions, leases, draining and removal behave exactly as in the core's acquire.lua.
 -- KEYS[1]  key prefix "rr:{NAME}:" (index keys: see prefix_cache_index.lua)
--- ARGV[1..6] as acquire.lua (ARGV[5] = 1: full_determinism, rendezvous hashing, no prefix)
--- ARGV[7..] six per request: request id, lease token, random integer (tie-break), settings,
+-- ARGV[1..HEAD] as acquire.lua (ARGV[5] = 1: full_determinism, rendezvous hashing, no prefix)
+-- ARGV[HEAD + 1..] six per request: request id, lease token, random integer (tie-break), settings,
 --          block hashes, first. settings = "abs rel ttl_ms max_blocks budget record refresh_ms"
 --          (space separated, the same for every request of a call); block hashes = the
 --          prompt's prefix hashes at its sampled depths, 16 hex characters each, concatenated
@@ -144,7 +144,7 @@ local function granted(i, id, token)
 end
 
 local out = acquire_all(6, choose, granted)
-if out.err or #ARGV < 7 then return out end
-local c = settings(ARGV[10])
+if out.err or #ARGV <= HEAD then return out end
+local c = settings(ARGV[HEAD + 4])
 bound_index(now, c.ttl, c.max_blocks, c.budget, total)
 return out

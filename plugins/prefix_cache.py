@@ -72,8 +72,11 @@ from pathlib import Path
 from typing import Any
 
 from redis_router import AsyncLease, AsyncRedisLoadBalancer, Lease, RedisLoadBalancer, validation
-from redis_router.core import REAP_BUDGET, BalancerCore, Call, Grant, Op
+from redis_router.core import BalancerCore, Call, Grant, Op
 from redis_router.scripts import Script, lua_dir
+
+# Index blocks past index_ttl that one call forgets: bounded, so a call never walks a stale index.
+INDEX_TRIM_BUDGET = 64
 
 __all__ = [
     "AsyncPrefixCacheRouter",
@@ -123,7 +126,7 @@ class PrefixSettings:
         """The settings argument of prefix_cache.lua."""
         return (
             f"{self.balance_abs_threshold!r} {self.balance_rel_threshold!r} "
-            f"{self.ttl_ms} {self.max_index_blocks} {REAP_BUDGET * 4} "
+            f"{self.ttl_ms} {self.max_index_blocks} {INDEX_TRIM_BUDGET} "
             f"{int(self.record_on_acquire)} {max(1, self.ttl_ms // 16)}"
         )
 
@@ -349,7 +352,7 @@ class _PrefixOps:
         sid = validation.server_id(server_id)
         joined = _check_hashes(block_hashes)
         s = self.settings
-        args = (mode, sid, joined, s.ttl_ms, s.max_index_blocks, REAP_BUDGET * 4)
+        args = (mode, sid, joined, s.ttl_ms, s.max_index_blocks, INDEX_TRIM_BUDGET)
         return int((yield Call(_script("prefix_cache_record"), args)))
 
     def _clear_op(self) -> Op[int]:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any
 
 from redis import exceptions as rx
 
-from . import validation
+from . import keeper, validation
 from .coalesce import Coalescer
 from .connection import (
     TRANSIENT_BACKOFF,
@@ -25,7 +26,7 @@ from .connection import (
     stale_pools,
 )
 from .core import Call, Grant, Op, T, build_core, new_tokens
-from .errors import NoServersAvailable, RedisUnavailable
+from .errors import NoServersAvailable, RedisRouterError, RedisUnavailable
 
 
 class AsyncLease:
@@ -40,7 +41,7 @@ class AsyncLease:
         self.request_id, self.token, self.sticky = grant.request_id, grant.token, grant.sticky
 
     async def renew(self) -> bool:
-        """Push the expiry to lease_ttl from now. False if the lease is already gone."""
+        """Restart the lease's age (see Lease.renew). False if the lease is already gone."""
         if self._released:
             return False
         return await self._balancer._run(self._balancer._core.renew(self.token))
@@ -60,7 +61,7 @@ class AsyncLease:
 
 class AsyncRedisLoadBalancer:
     """The asyncio form of :class:`~redis_router.RedisLoadBalancer` (same arguments, methods
-    are coroutines). Settings are pinned in Redis on the first call.
+    are coroutines). Its keeper is a task on the event loop of the first acquire.
 
     ``coalesce`` (default True): acquires and releases made while another is in flight go
     together in the next round trip, with the result of making them one after another
@@ -75,7 +76,8 @@ class AsyncRedisLoadBalancer:
         name: str = "default",
         full_determinism: bool = False,
         sticky_ttl: float = 3600.0,
-        lease_ttl: float = 600.0,
+        lease_ttl: float = 20.0,
+        max_lease_age: float = 86400.0,
         rng: random.Random | None = None,
         router_kwargs: Mapping[str, Any] | None = None,
         coalesce: bool = True,
@@ -89,8 +91,10 @@ class AsyncRedisLoadBalancer:
             full_determinism=full_determinism,
             sticky_ttl=sticky_ttl,
             lease_ttl=lease_ttl,
+            max_lease_age=max_lease_age,
             rng=rng,
         )
+        self._keeper: asyncio.Future[None] | None = None
         self._initial = validation.servers_mapping(servers) if servers is not None else {}
         self._client, self.url, self._owns_client = client_for(redis, asyncio=True)
         self._setup: asyncio.Future[None] | None = None
@@ -99,6 +103,8 @@ class AsyncRedisLoadBalancer:
         if coalesce:
             self._acquires = Coalescer(self._acquire_batch, self._release_orphan)
             self._releases = Coalescer(self._release_batch)
+        self._core.on_acquire = self._keep_alive
+        keeper.track(self)
 
     # -- driving the core ------------------------------------------------------------------
 
@@ -146,12 +152,29 @@ class AsyncRedisLoadBalancer:
             self._setup = asyncio.ensure_future(self._drive(self._core.setup(self._initial)))
         await asyncio.shield(self._setup)
 
+    def _keep_alive(self) -> None:
+        """Start (or restart, on another event loop) the heartbeat task: from the first
+        acquire on, this process holds leases."""
+        if self._keeper is None or self._keeper.done():
+            self._keeper = asyncio.ensure_future(
+                keeper.keep_alive_async(weakref.ref(self), self._core.heartbeat_every)
+            )
+
+    def _forked(self) -> None:
+        """In a forked child: a holder of its own; no task of the parent's loop runs here."""
+        self._core.new_holder()
+        self._keeper = None
+
+    async def _acquire(
+        self, request_ids: list[str], tokens: list[str] | None = None
+    ) -> list[Grant]:
+        return await self._run(self._core.acquire(request_ids, tokens))
+
     # -- coalesced acquires and releases ---------------------------------------------------
 
     async def _acquire_one(self, request_id: str, token: str | None = None) -> Grant:
         if self._acquires is None:
-            tokens = [token] if token is not None else None
-            return (await self._run(self._core.acquire([request_id], tokens)))[0]
+            return (await self._acquire([request_id], [token] if token is not None else None))[0]
         return await self._acquires.submit((request_id, token))
 
     async def _acquire_batch(
@@ -161,17 +184,18 @@ class AsyncRedisLoadBalancer:
         fresh = iter(new_tokens(len(items)))
         tokens = [token if token is not None else next(fresh) for _, token in items]
         try:
-            return list(await self._run(self._core.acquire(rids, tokens)))
+            return list(await self._acquire(rids, tokens))
         except NoServersAvailable:
             if len(items) == 1:
                 raise
         # A batch is refused whole when one request has nowhere to go; alone, a request
-        # sticky to a draining replica is still served, so each is tried by itself.
+        # sticky to a draining replica is still served, so each is tried by itself. Every
+        # outcome reaches its own caller: a grant is never lost to a later item's error.
         outcomes: list[Grant | BaseException] = []
         for rid, token in zip(rids, tokens, strict=True):
             try:
-                outcomes.append((await self._run(self._core.acquire([rid], [token])))[0])
-            except NoServersAvailable as exc:
+                outcomes.append((await self._acquire([rid], [token]))[0])
+            except RedisRouterError as exc:
                 outcomes.append(exc)
         return outcomes
 
@@ -204,7 +228,7 @@ class AsyncRedisLoadBalancer:
 
     async def acquire_many(self, request_ids: list[str]) -> list[tuple[str, Any]]:
         """Route many requests in one round trip, as if acquired one after another."""
-        grants = await self._run(self._core.acquire(validation.request_ids(request_ids)))
+        grants = await self._acquire(validation.request_ids(request_ids))
         return [(g.server_id, g.handle) for g in grants]
 
     async def acquire(
@@ -212,7 +236,7 @@ class AsyncRedisLoadBalancer:
     ) -> AsyncLease:
         """Route a request and return its lease (``token``: see RedisLoadBalancer.acquire)."""
         rid = validation.request_id(request_id)
-        checked = validation.request_id(token, "token") if token is not None else None
+        checked = validation.token(token) if token is not None else None
         return AsyncLease(self, await self._acquire_one(rid, checked))
 
     @contextlib.asynccontextmanager
@@ -222,21 +246,21 @@ class AsyncRedisLoadBalancer:
         """``async with lb.lease(rid) as lease:`` releases exactly once, also on cancellation
         (a lease granted while the task was being cancelled is released, not leaked)."""
         if renew_every is not None:
-            validation.seconds(renew_every, "renew_every")
+            validation.seconds(renew_every, "renew_every", validation.MAX_LEASE_TTL)
         pending = asyncio.ensure_future(self.acquire(request_id, **fields))
         try:
             held = await asyncio.shield(pending)
         except asyncio.CancelledError:
             pending.add_done_callback(_release_when_granted)
             raise
-        keeper = asyncio.ensure_future(_keep_alive(held, renew_every)) if renew_every else None
+        renewer = asyncio.ensure_future(_renew_age(held, renew_every)) if renew_every else None
         try:
             yield held
         finally:
-            if keeper is not None:
-                keeper.cancel()
+            if renewer is not None:
+                renewer.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await keeper
+                    await renewer
             await held.release()
 
     async def release_server(
@@ -274,8 +298,9 @@ class AsyncRedisLoadBalancer:
     async def get_status(self) -> dict[str, Any]:
         return await self._run(self._core.status())
 
-    async def clear_sticky_cache(self) -> None:
-        await self._run(self._core.clear_sticky())
+    async def clear_sticky_cache(self) -> dict[str, Any]:
+        """See RedisLoadBalancer.clear_sticky_cache."""
+        return await self._run(self._core.clear_sticky())
 
     async def reap(self) -> int:
         return await self._run(self._core.reap())
@@ -292,6 +317,16 @@ class AsyncRedisLoadBalancer:
     # -- lifetime --------------------------------------------------------------------------
 
     async def close(self) -> None:
+        """Stop the heartbeats, let unreleased leases be reclaimed at once, close the pool if
+        this balancer made it."""
+        stopping, self._keeper = self._keeper, None
+        if stopping is not None:
+            stopping.cancel()
+            if stopping.get_loop() is asyncio.get_running_loop():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await stopping
+            with contextlib.suppress(RedisUnavailable):
+                await self._run(self._core.retire())
         if self._owns_client:
             await self._client.aclose()
 
@@ -327,7 +362,7 @@ def _release_in_background(release: Awaitable[bool]) -> None:
     pending.add_done_callback(_pending_releases.discard)
 
 
-async def _keep_alive(lease: AsyncLease, every: float) -> None:
+async def _renew_age(lease: AsyncLease, every: float) -> None:
     while True:
         await asyncio.sleep(every)
         try:

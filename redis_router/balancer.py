@@ -6,13 +6,14 @@ import contextlib
 import random
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 from redis import exceptions as rx
 
-from . import validation
+from . import keeper, validation
 from .connection import (
     TRANSIENT_BACKOFF,
     client_for,
@@ -25,9 +26,11 @@ from .errors import RedisUnavailable
 
 
 class Lease:
-    """One request's hold on a replica, from acquire until release (or expiry).
+    """One request's hold on a replica, from acquire until release.
 
-    ``release()`` ends it exactly once; later calls return False without a round trip.
+    It stays counted as long as its balancer's process lives (the balancer's keeper sends
+    heartbeats), up to ``max_lease_age``; ``release()`` ends it exactly once, and later calls
+    return False without a round trip.
     """
 
     __slots__ = ("_balancer", "_released", "handle", "request_id", "server_id", "sticky", "token")
@@ -39,7 +42,8 @@ class Lease:
         self.request_id, self.token, self.sticky = grant.request_id, grant.token, grant.sticky
 
     def renew(self) -> bool:
-        """Push the expiry to lease_ttl from now. False if the lease is already gone."""
+        """Restart the lease's age, for a request that may outlive max_lease_age (liveness
+        needs no renewal). False if the lease is already gone."""
         return not self._released and self._balancer._run(self._balancer._core.renew(self.token))
 
     def release(self) -> bool:
@@ -59,6 +63,11 @@ class RedisLoadBalancer:
 
     Any number of processes that construct it with the same Redis and ``name`` share one
     balancer; each acquire and release is one atomic Lua script (see ``lua/``).
+
+    ``lease_ttl`` is how long a silent process is still taken for alive: its leases are
+    reclaimed that long after its last heartbeat (sent every lease_ttl / 4 from a background
+    thread). ``max_lease_age`` ends a lease its process forgot to release. Constructing a
+    balancer writes nothing unless ``servers`` are given; the first acquire pins sticky_ttl.
     """
 
     def __init__(
@@ -69,7 +78,8 @@ class RedisLoadBalancer:
         name: str = "default",
         full_determinism: bool = False,
         sticky_ttl: float = 3600.0,
-        lease_ttl: float = 600.0,
+        lease_ttl: float = 20.0,
+        max_lease_age: float = 86400.0,
         rng: random.Random | None = None,
         router_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
@@ -80,11 +90,16 @@ class RedisLoadBalancer:
             full_determinism=full_determinism,
             sticky_ttl=sticky_ttl,
             lease_ttl=lease_ttl,
+            max_lease_age=max_lease_age,
             rng=rng,
         )
         checked = validation.servers_mapping(servers) if servers is not None else {}
+        self._keeper: keeper.ThreadKeeper | None = None
+        self._keeper_lock = threading.Lock()
         self._client, self.url, self._owns_client = client_for(redis, asyncio=False)
         self._run(self._core.setup(checked))
+        self._core.on_acquire = self._keep_alive
+        keeper.track(self)
 
     # -- driving the core ------------------------------------------------------------------
 
@@ -116,6 +131,26 @@ class RedisLoadBalancer:
             client.script_load(script.source)
             return client.evalsha(script.sha, 1, self._core.prefix, *call.args)
 
+    def _keep_alive(self) -> None:
+        """Start the heartbeats (first acquire): from now on this process holds leases."""
+        if self._keeper is not None:
+            return
+        with self._keeper_lock:
+            if self._keeper is None:
+                ref = weakref.ref(self)
+                self._keeper = keeper.ThreadKeeper(
+                    lambda: keeper.beat_sync(ref), self._core.heartbeat_every
+                )
+
+    def _forked(self) -> None:
+        """In a forked child: a holder of its own; the parent's keeper thread is not here."""
+        self._core.new_holder()
+        self._keeper = None
+        self._keeper_lock = threading.Lock()
+
+    def _acquire(self, request_ids: list[str], tokens: list[str] | None = None) -> list[Grant]:
+        return self._run(self._core.acquire(request_ids, tokens))
+
     def _run(self, op: Op[T]) -> T:
         try:
             call = next(op)
@@ -132,20 +167,20 @@ class RedisLoadBalancer:
 
     def acquire_server(self, request_id: str, **fields: Any) -> tuple[str, Any]:
         """Route a request: its sticky replica, else the least loaded. Returns (id, handle)."""
-        g = self._run(self._core.acquire([validation.request_id(request_id)]))[0]
+        g = self._acquire([validation.request_id(request_id)])[0]
         return g.server_id, g.handle
 
     def acquire_many(self, request_ids: list[str]) -> list[tuple[str, Any]]:
         """Route many requests in one round trip, as if acquired one after another."""
-        grants = self._run(self._core.acquire(validation.request_ids(request_ids)))
+        grants = self._acquire(validation.request_ids(request_ids))
         return [(g.server_id, g.handle) for g in grants]
 
     def acquire(self, request_id: str, *, token: str | None = None, **fields: Any) -> Lease:
         """Route a request and return its :class:`Lease`. Passing the token of an earlier,
         failed attempt makes a retry safe: a lease already granted is returned, not doubled."""
         rid = validation.request_id(request_id)
-        tokens = [validation.request_id(token, "token")] if token is not None else None
-        return Lease(self, self._run(self._core.acquire([rid], tokens))[0])
+        tokens = [validation.token(token)] if token is not None else None
+        return Lease(self, self._acquire([rid], tokens)[0])
 
     @contextmanager
     def lease(
@@ -153,30 +188,32 @@ class RedisLoadBalancer:
     ) -> Iterator[Lease]:
         """``with lb.lease(rid) as lease:`` routes, yields the lease, releases it exactly once.
 
-        ``renew_every`` (seconds) renews it from a background thread, for requests that may
-        outlive lease_ttl.
+        ``renew_every`` (seconds) restarts its age from a background thread, for requests
+        that may outlive max_lease_age (liveness needs nothing: the balancer's heartbeats
+        keep every lease alive).
         """
         if renew_every is not None:
-            validation.seconds(renew_every, "renew_every")
+            validation.seconds(renew_every, "renew_every", validation.MAX_LEASE_TTL)
         held = self.acquire(request_id, **fields)
         stop = threading.Event()
-        keeper = None
+        renewer = None
         if renew_every is not None:
-            keeper = threading.Thread(
-                target=_keep_alive, args=(held, stop, renew_every), daemon=True
+            renewer = threading.Thread(
+                target=_renew_age, args=(held, stop, renew_every), daemon=True
             )
-            keeper.start()
+            renewer.start()
         try:
             yield held
         finally:
             stop.set()
-            if keeper is not None:
-                keeper.join()
+            if renewer is not None:
+                renewer.join()
             held.release()
 
     def release_server(self, server_id: str, request_id: str | None = None, **fields: Any) -> bool:
         """End the request's lease on that replica (without request_id: its oldest lease).
-        Releasing twice, or for an unknown or removed replica, is a no-op that returns False."""
+        Releasing twice, or for an unknown or removed replica, is a no-op that returns False;
+        a copy resent after a timeout reports the first one's result and ends nothing else."""
         sid = validation.server_id(server_id)
         rid = validation.request_id(request_id) if request_id is not None else None
         return self._run(self._core.release(sid, rid))
@@ -214,11 +251,14 @@ class RedisLoadBalancer:
         expired (approximate: entries of removed replicas count until their next turn)."""
         return self._run(self._core.status())
 
-    def clear_sticky_cache(self) -> None:
-        self._run(self._core.clear_sticky())
+    def clear_sticky_cache(self) -> dict[str, Any]:
+        """Forget every sticky session. Returns ``{"cleared_entries": n, "server_loads":
+        {server id: in-flight}}``, as verl's rebalancing reads it."""
+        return self._run(self._core.clear_sticky())
 
     def reap(self) -> int:
-        """Reclaim every expired lease now. Returns how many."""
+        """Reclaim now every lease of a dead holder (no heartbeat for lease_ttl). Returns how
+        many. Acquires and heartbeats also do this, a few at a time."""
         return self._run(self._core.reap())
 
     def destroy(self) -> int:
@@ -234,7 +274,14 @@ class RedisLoadBalancer:
     # -- lifetime --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close the connection pool if this balancer made it (a client you passed stays open)."""
+        """Stop the heartbeats and let this balancer's unreleased leases be reclaimed at once
+        (nothing can keep them alive any more); close the connection pool if this balancer
+        made it (a client you passed stays open)."""
+        stopping, self._keeper = self._keeper, None
+        if stopping is not None:
+            stopping.stop()
+            with contextlib.suppress(RedisUnavailable):
+                self._run(self._core.retire())
         if self._owns_client:
             self._client.close()
 
@@ -248,7 +295,7 @@ class RedisLoadBalancer:
         return f"RedisLoadBalancer(name={self.name!r}, redis={self.url!r})"
 
 
-def _keep_alive(lease: Lease, stop: threading.Event, every: float) -> None:
+def _renew_age(lease: Lease, stop: threading.Event, every: float) -> None:
     while not stop.wait(every):
         try:
             if not lease.renew():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from typing import Any, NamedTuple, TypeVar
 
 from . import validation
@@ -20,11 +20,18 @@ from .scripts import Script, load
 T = TypeVar("T")
 Op = Generator["Call", Any, T]
 
-# Expired leases reclaimed by each acquire before its own work: bounded, so a mass
-# crash cannot make one call slow; reap() and later calls take the rest.
-REAP_BUDGET = 16
-# reap() reclaims in chunks of this size until a chunk comes back short.
-REAP_CHUNK = 1000
+# Entries of dead holders (their leases) each acquire examines before its own work: bounded,
+# so a mass crash cannot make one call slow; heartbeats, reap() and later calls take the rest.
+REAP_BUDGET = 2
+# Entries a background heartbeat examines: off the hot path, so it does most of the reaping.
+HEARTBEAT_BUDGET = 64
+# reap() examines in chunks of this size until a chunk comes back short.
+REAP_CHUNK = 256
+# Heartbeats per lease_ttl: a holder survives three lost or late heartbeats in a row.
+HEARTBEATS_PER_TTL = 4
+# How long a release's key is remembered (ms), so that a copy resent after a timeout (redis-py
+# retries within ~15 s) reports the first copy's result and ends nothing else.
+RESEND_WINDOW_MS = 30_000
 # Sticky sessions live in time buckets of sticky_ttl / STICKY_BUCKETS: a session expires between
 # sticky_ttl and sticky_ttl * (1 + 1 / STICKY_BUCKETS) after its last turn.
 STICKY_BUCKETS = 4
@@ -47,6 +54,14 @@ class Call(NamedTuple):
     args: tuple[Any, ...]
 
 
+class Heartbeat(NamedTuple):
+    """What one heartbeat found."""
+
+    registered_anew: bool  # the holder had been declared dead: its leases were reclaimed
+    reclaimed: int  # leases of dead holders reclaimed by this call
+    overdue: list[str]  # tokens of this holder's leases ended for outliving max_lease_age
+
+
 class Grant(NamedTuple):
     """One routed request: where it goes and the lease that holds it there."""
 
@@ -62,7 +77,8 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "name": "default",
     "full_determinism": False,
     "sticky_ttl": 3600.0,
-    "lease_ttl": 600.0,
+    "lease_ttl": 20.0,
+    "max_lease_age": 86400.0,
     "rng": None,
 }
 
@@ -102,10 +118,24 @@ def new_token() -> str:
     return os.urandom(8).hex()
 
 
+def new_holder() -> str:
+    """A holder id: one per balancer instance and process (a forked child gets its own)."""
+    return "h" + os.urandom(8).hex()
+
+
+def new_operations(n: int) -> list[str]:
+    """Operation ids for n releases, so that a resent copy of one is recognised."""
+    return new_tokens(n)
+
+
 def new_tokens(n: int) -> list[str]:
     """n lease tokens from one urandom read (a batch pays one system call, not n)."""
     h = os.urandom(8 * n).hex()
     return [h[i : i + 16] for i in range(0, 16 * n, 16)]
+
+
+def _nothing() -> None:
+    pass
 
 
 def _str(value: Any) -> str:
@@ -130,6 +160,7 @@ class BalancerCore:
         full_determinism: bool,
         sticky_ttl: float,
         lease_ttl: float,
+        max_lease_age: float,
         rng: random.Random | None,
     ) -> None:
         self.name = validation.name(name)
@@ -139,34 +170,59 @@ class BalancerCore:
                 f"full_determinism must be a bool, got {type(full_determinism).__name__}"
             )
         self.full_determinism = full_determinism
-        self.sticky_ttl = validation.seconds(sticky_ttl, "sticky_ttl")
-        self.lease_ttl = validation.seconds(lease_ttl, "lease_ttl")
+        self.sticky_ttl = validation.seconds(sticky_ttl, "sticky_ttl", validation.MAX_TTL)
+        self.lease_ttl = validation.seconds(
+            lease_ttl, "lease_ttl", validation.MAX_LEASE_TTL, validation.MIN_LEASE_TTL
+        )
+        self.max_lease_age = validation.seconds(max_lease_age, "max_lease_age", validation.MAX_TTL)
+        if self.max_lease_age < self.lease_ttl:
+            raise ValueError(
+                f"max_lease_age ({self.max_lease_age:g}s) must be at least lease_ttl "
+                f"({self.lease_ttl:g}s)"
+            )
         if rng is not None and not callable(getattr(rng, "getrandbits", None)):
             raise TypeError(f"rng must be a random.Random (or None), got {type(rng).__name__}")
         self._getrandbits = (rng or random.Random(os.urandom(16))).getrandbits
-        self.lease_ms = max(1, round(self.lease_ttl * 1000))
+        self.lease_ms = round(self.lease_ttl * 1000)
+        self.max_age_ms = round(self.max_lease_age * 1000)
+        # The background keeper's period (s): a live holder's deadline never comes closer than
+        # lease_ttl * (1 - 1 / HEARTBEATS_PER_TTL).
+        self.heartbeat_every = self.lease_ttl / HEARTBEATS_PER_TTL
         self.sticky_ms = max(1, round(self.sticky_ttl * 1000))
         self.width_ms = -(-self.sticky_ms // STICKY_BUCKETS)
         # Bucket cur - k expires at (cur - k + 1) * width + ttl, so at any instant of bucket cur
         # only k <= ceil(ttl / width) can be alive: searching further back finds nothing.
         self.span = -(-self.sticky_ms // self.width_ms)
+        self.new_holder()
+        self.handles: dict[str, Any] = {}
+        self._decoded: dict[str, Any] = {}
+        self._acquire, self._release = load("acquire"), load("release")
+        # Called before every acquire, whichever router's script it runs: the balancer starts
+        # its keeper here, so no path can take a lease that nothing keeps alive.
+        self.on_acquire: Callable[[], None] = _nothing
+
+    def new_holder(self) -> None:
+        """Take a fresh holder id (at construction, and in a forked child: a child must not
+        keep its parent's leases alive, nor have its own reclaimed when the parent exits)."""
+        self.holder = new_holder()
         self._acquire_head = (
             str(self.lease_ms),
             str(self.width_ms),
             str(self.sticky_ms),
             str(self.span),
-            "1" if full_determinism else "0",
+            "1" if self.full_determinism else "0",
             _REAP_BUDGET,
+            self.holder,
         )
-        self.handles: dict[str, Any] = {}
-        self._decoded: dict[str, Any] = {}
-        self._acquire, self._release = load("acquire"), load("release")
 
     # -- replies ---------------------------------------------------------------------------
 
     def script_error(self, exc: Exception) -> Exception:
         """Map an error raised inside a script to the library's exception."""
-        if str(exc).startswith("NOSERVERS"):
+        text = str(exc)
+        if text.startswith("CONFIGMISMATCH"):
+            return self.config_mismatch(int(text.split()[1]))
+        if text.startswith("NOSERVERS"):
             return NoServersAvailable(
                 f"balancer {self.name!r}: no replica is accepting new sessions: the pool is empty "
                 "(never registered, or lost when a Redis without persistence restarted) or "
@@ -192,15 +248,20 @@ class BalancerCore:
 
     # -- operations ------------------------------------------------------------------------
 
+    def config_mismatch(self, pinned_ms: int) -> ConfigMismatch:
+        return ConfigMismatch(
+            f"balancer {self.name!r}: sticky_ttl={self.sticky_ttl:g}s, but the balancer's "
+            f"processes already use {pinned_ms / 1000:g}s (pinned in Redis key "
+            f"{self.prefix}config by the first process that acquired). Use the same "
+            "sticky_ttl in every process, or destroy() the balancer to start over."
+        )
+
     def setup(self, servers: Mapping[str, Any]) -> Op[None]:
-        pinned = int((yield Call(load("configure"), (self.sticky_ms,))))
-        if pinned != self.sticky_ms:
-            raise ConfigMismatch(
-                f"balancer {self.name!r}: sticky_ttl={self.sticky_ttl:g}s, but the balancer's "
-                f"processes already use {pinned / 1000:g}s (pinned in Redis key "
-                f"{self.prefix}config). Use the same sticky_ttl in every process, or "
-                "destroy() the balancer to start over."
-            )
+        """Check the pinned settings (read only: the first acquire pins them, and every new
+        holder's first acquire checks them again), then register ``servers`` if any."""
+        pinned = yield Call(load("configure"), ())
+        if pinned is not None and int(pinned) != self.sticky_ms:
+            raise self.config_mismatch(int(pinned))
         if servers:
             yield from self.add_servers(servers)
 
@@ -214,6 +275,7 @@ class BalancerCore:
     ) -> Op[list[Grant]]:
         """Route requests. Router plugins pass their own ``script`` (built on lib.lua's
         acquire_all) and per-request ``extras`` that follow (request id, token, random)."""
+        self.on_acquire()
         script = script or self._acquire
         rand = self._getrandbits
         if len(request_ids) == 1 and extras is None and (tokens is None or len(tokens) == 1):
@@ -243,14 +305,40 @@ class BalancerCore:
         return (yield from self.release_many([(server_id, request_id, token)]))[0]
 
     def release_many(self, releases: list[tuple[str, str | None, str | None]]) -> Op[list[bool]]:
-        """End leases in order, in one call: (server id, request id, token) each, as release."""
+        """End leases in order, in one call: (server id, request id, token) each, as release.
+        Each gets an operation id, made here, before the first send: a copy resent after a
+        timeout is recognised by it, reports the first copy's result and ends nothing more."""
         flat: list[str] = []
-        for server_id, request_id, token in releases:
-            flat += (server_id, request_id or "", token or "")
+        for (server_id, request_id, token), op in zip(
+            releases, new_operations(len(releases)), strict=True
+        ):
+            flat += (server_id, request_id or "", token or "", op)
         return [done == 1 for done in (yield Call(self._release, tuple(flat)))]
 
     def renew(self, token: str) -> Op[bool]:
-        return (yield Call(load("renew"), (self.lease_ms, token))) == 1
+        """Restart the lease's age (max_lease_age); liveness needs no renewal."""
+        return (yield Call(load("renew"), (token,))) == 1
+
+    def heartbeat(self) -> Op[Heartbeat]:
+        """Keep every lease of this holder alive for lease_ttl more, end those older than
+        max_lease_age, and reclaim some leases of dead holders."""
+        anew, reclaimed, overdue = yield Call(
+            load("heartbeat"),
+            (
+                self.holder,
+                self.lease_ms,
+                self.sticky_ms,
+                self.max_age_ms,
+                RESEND_WINDOW_MS,
+                HEARTBEAT_BUDGET,
+            ),
+        )
+        return Heartbeat(anew == 1, int(reclaimed), [_str(t) for t in overdue])
+
+    def retire(self) -> Op[None]:
+        """Declare this holder dead now: its leases are reclaimed by the next acquire, reap or
+        heartbeat of any process (a closed balancer can no longer keep them alive)."""
+        yield Call(load("retire"), (self.holder,))
 
     def add_servers(self, servers: Mapping[str, Any]) -> Op[int]:
         checked = validation.servers_mapping(servers)
@@ -279,13 +367,21 @@ class BalancerCore:
     def reap(self) -> Op[int]:
         total = 0
         while True:
-            n = int((yield Call(load("reap"), (REAP_CHUNK,))))
-            total += n
-            if n < REAP_CHUNK:
+            n, examined = yield Call(load("reap"), (REAP_CHUNK, RESEND_WINDOW_MS))
+            total += int(n)
+            if int(examined) < REAP_CHUNK:
                 return total
 
-    def clear_sticky(self) -> Op[None]:
-        yield Call(load("clear_sticky"), (self.width_ms, self.span))
+    def clear_sticky(self) -> Op[dict[str, Any]]:
+        """Forget every sticky session. Returns verl's rebalance report: how many entries were
+        forgotten and each replica's in-flight count."""
+        n, loads = yield Call(load("clear_sticky"), (self.width_ms, self.span))
+        return {
+            "cleared_entries": int(n),
+            "server_loads": {
+                _str(loads[i]): int(float(loads[i + 1])) for i in range(0, len(loads), 2)
+            },
+        }
 
     def destroy(self) -> Op[int]:
         n = yield Call(load("destroy"), (self.width_ms, self.span))
@@ -297,7 +393,7 @@ class BalancerCore:
         return {_str(raw[i]): int(float(raw[i + 1])) for i in range(0, len(raw), 2)}
 
     def status(self) -> Op[dict[str, Any]]:
-        sessions, _now, rows = yield Call(load("status"), (self.width_ms, self.span))
+        sessions, _now, rows, holders = yield Call(load("status"), (self.width_ms, self.span))
         replicas: dict[str, dict[str, Any]] = {}
         for sid, inflight, draining, live, sticky, acquires, hits, reclaimed, meta in rows:
             sid = _str(sid)
@@ -322,5 +418,9 @@ class BalancerCore:
             "full_determinism": self.full_determinism,
             "sticky_ttl": self.sticky_ttl,
             "lease_ttl": self.lease_ttl,
+            "max_lease_age": self.max_lease_age,
+            "holders": dict(
+                zip(("live", "dead", "awaiting_reclaim"), map(int, holders), strict=True)
+            ),
             "replicas": replicas,
         }

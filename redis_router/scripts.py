@@ -27,6 +27,8 @@ NAMES = (
     "destroy",
     "status",
     "counts",
+    "heartbeat",
+    "retire",
 )
 
 

@@ -14,6 +14,13 @@ MAX_REQUEST_ID_BYTES = 512
 MAX_SERVER_ID_BYTES = 256
 MAX_BATCH = 10_000
 NAME_RE = re.compile(r"[A-Za-z0-9._:/-]{1,64}")
+# Lease tokens are listed space-separated inside Redis: no white space, nothing to escape.
+TOKEN_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# Durations: Redis keeps times in integer milliseconds and Lua in doubles (exact to 2**53),
+# so every duration has an upper bound far inside both.
+MAX_TTL = 366 * 86400.0  # a year: sticky_ttl, max_lease_age
+MAX_LEASE_TTL = 86400.0  # a day: how long a silent holder is still taken for alive
+MIN_LEASE_TTL = 0.1  # heartbeats go out every lease_ttl / 4
 # Control characters are refused: U+001F separates fields inside Redis, and they make keys
 # unreadable in redis-cli.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -75,9 +82,22 @@ def name(value: object) -> str:
     return value
 
 
-def seconds(value: object, arg: str) -> float:
+def token(value: object, arg: str = "token") -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{arg} must be a str, got {type(value).__name__}")
+    if not TOKEN_RE.fullmatch(value):
+        raise ValueError(
+            f"{arg} must be 1-128 characters from A-Z a-z 0-9 . _ : - (a lease's .token), "
+            f"got {value[:140]!r}"
+        )
+    return value
+
+
+def seconds(value: object, arg: str, maximum: float = MAX_TTL, minimum: float = 0.001) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{arg} must be a number of seconds, got {type(value).__name__}")
-    if not math.isfinite(value) or value < 0.001:
-        raise ValueError(f"{arg} must be a finite number of seconds >= 0.001, got {value!r}")
+    if not math.isfinite(value) or not minimum <= value <= maximum:
+        raise ValueError(
+            f"{arg} must be a number of seconds from {minimum:g} to {maximum:g}, got {value!r}"
+        )
     return float(value)

@@ -1,6 +1,8 @@
-"""Checks of DESIGN.md's invariants on the raw keys, as an operator would read them."""
+"""Checks of docs/design.md's invariants on the raw keys, as an operator would read them."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import redis
 
@@ -24,8 +26,13 @@ local held = {}
 for _, row in ipairs(pool) do
   held[#held + 1] = redis.call('ZRANGE', P .. 'held:' .. row[2], 0, -1)
 end
+local holders = redis.call('ZRANGE', P .. 'holders', 0, -1)
+local owned = {}
+for _, key in ipairs(redis.call('KEYS', P .. 'owned:*')) do
+  owned[#owned + 1] = {key, redis.call('ZRANGE', key, 0, -1)}
+end
 return {pool, held, redis.call('HKEYS', P .. 'servers'), redis.call('HGETALL', P .. 'leases'),
-        redis.call('HGETALL', P .. 'byreq'), redis.call('KEYS', P .. 'held:*')}
+        redis.call('HGETALL', P .. 'byreq'), redis.call('KEYS', P .. 'held:*'), holders, owned}
 """
 
 
@@ -34,10 +41,12 @@ def _pairs(flat: list) -> dict:
 
 
 def check(r: redis.Redis, name: str) -> dict[str, int]:
-    """Assert I1 (count == live leases, never negative) and index consistency on one atomic
+    """Assert I1 (count == leases, never negative), I2's reachability (every lease is owned
+    by a registered holder, every owned token is a lease) and index consistency on one atomic
     snapshot of the balancer's keys; return the counts."""
     p = prefix(name)
-    pool, held_lists, servers, flat_leases, flat_byreq, held_keys = r.eval(_SNAPSHOT, 1, p)
+    snap = r.eval(_SNAPSHOT, 1, p)
+    pool, held_lists, servers, flat_leases, flat_byreq, held_keys, holders, owned_rows = snap
     counts: dict[str, int] = {}
     for _zs, sid, score in pool:
         assert sid not in counts, f"{sid!r} is both taking and draining"
@@ -46,12 +55,19 @@ def check(r: redis.Redis, name: str) -> dict[str, int]:
     held = {sid: set(tokens) for (_zs, sid, _s), tokens in zip(pool, held_lists, strict=True)}
     leases, byreq = _pairs(flat_leases), _pairs(flat_byreq)
     per_server: dict[str, int] = dict.fromkeys(counts, 0)
-    for token, field in leases.items():
-        sid = field.split(SEP, 1)[0]
+    owned = {key[len(p) + 6 :]: set(tokens) for key, tokens in owned_rows}
+    assert set(owned) <= set(holders), f"leases of unregistered holders {set(owned) - set(holders)}"
+    for token, record in leases.items():
+        sid, rid, holder = record.split(SEP)
+        field = sid + SEP + rid
         assert sid in counts, f"lease {token} on {sid!r}, which is not in the pool (I6)"
         assert token in held[sid], f"lease {token} not held"
         assert token in byreq.get(field, "").split(), f"lease {token} not indexed"
+        assert token in owned.get(holder, ()), f"lease {token} not owned by its holder {holder}"
         per_server[sid] += 1
+    for holder, tokens in owned.items():
+        for t in tokens:
+            assert t in leases, f"holder {holder} owns {t}, which is no lease"
     for sid, n in counts.items():
         assert n >= 0, f"negative count on {sid!r} (I1)"
         assert n == len(held[sid]) == per_server[sid], (
@@ -59,10 +75,16 @@ def check(r: redis.Redis, name: str) -> dict[str, int]:
         )
     for field, tokens in byreq.items():
         for t in tokens.split():
-            assert leases.get(t) == field, f"byreq {field!r} names a dead lease {t}"
+            assert leases.get(t, "").rsplit(SEP, 1)[0] == field, f"byreq {field!r}: dead {t}"
     for key in held_keys:
         assert key[len(p) + 5 :] in counts, f"leftover {key!r} of a removed replica"
     return counts
+
+
+def silence(lb: Any) -> None:
+    """Stop a balancer's heartbeats, as if its process had died (SIGKILL): its leases are
+    reclaimable lease_ttl after its last heartbeat."""
+    lb._keeper.stop()
 
 
 def fair(counts: dict[str, int], total: int, replicas: int, sds: float = 5.0) -> bool:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis
 
-from redis_router import AsyncRedisLoadBalancer, NoServersAvailable
+from redis_router import AsyncRedisLoadBalancer, NoServersAvailable, RedisUnavailable
 from redis_router.coalesce import Coalescer
 
 from . import invariants
@@ -143,6 +143,38 @@ def test_a_refused_batch_is_retried_request_by_request(server, r):
             assert got[1] == ("s0", "a")
             assert isinstance(got[2], NoServersAvailable)
             assert invariants.check(r, "nb") == {"s0": 1}
+
+    asyncio.run(main())
+
+
+def test_a_grant_reaches_its_caller_when_a_later_retried_request_fails(server, r):
+    """In the request-by-request retry of a refused batch, a transport error on a later
+    request fails that request alone: the earlier grant is delivered, never leaked."""
+
+    async def main() -> None:
+        async with AsyncRedisLoadBalancer({"s0": "a"}, redis=server.url, name="nb2") as lb:
+            await (await lb.acquire("sticky")).release()
+            await lb.drain_servers(["s0"])
+            real_acquire = lb._acquire
+
+            async def flaky(rids: list[str], tokens: list[str] | None = None) -> Any:
+                if rids == ["after"]:
+                    raise RedisUnavailable("injected: connection dropped")
+                return await real_acquire(rids, tokens)
+
+            lb._acquire = flaky  # type: ignore[method-assign]
+            got = await asyncio.gather(
+                lb.acquire("new"),
+                lb.acquire("sticky"),
+                lb.acquire("after"),
+                return_exceptions=True,
+            )
+            assert isinstance(got[0], NoServersAvailable)
+            assert got[1].server_id == "s0"
+            assert isinstance(got[2], RedisUnavailable)
+            assert invariants.check(r, "nb2") == {"s0": 1}
+            assert await got[1].release()
+            assert invariants.check(r, "nb2") == {"s0": 0}
 
     asyncio.run(main())
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import socket
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from redis_router import AsyncRedisLoadBalancer, RedisLoadBalancer, RedisUnavailable
 from redis_router.connection import redact
@@ -84,6 +86,11 @@ def test_a_lone_string_is_not_a_list_of_ids(make_lb, server, r):
         ({"sticky_ttl": 0}, ValueError, "sticky_ttl"),
         ({"lease_ttl": float("nan")}, ValueError, "lease_ttl"),
         ({"lease_ttl": "10"}, TypeError, "lease_ttl"),
+        ({"lease_ttl": 1e16}, ValueError, "lease_ttl"),
+        ({"lease_ttl": 0.01}, ValueError, "lease_ttl"),
+        ({"sticky_ttl": 1e16}, ValueError, "sticky_ttl"),
+        ({"max_lease_age": 1e16}, ValueError, "max_lease_age"),
+        ({"max_lease_age": 5, "lease_ttl": 10}, ValueError, "max_lease_age"),
         ({"full_determinism": "yes"}, TypeError, "full_determinism"),
         ({"rng": 3}, TypeError, "rng"),
         ({"redis": 3.5}, TypeError, "redis"),
@@ -111,8 +118,57 @@ def test_bad_servers_mapping_writes_nothing(server, r):
 
 def test_different_sticky_ttl_in_one_balancer_is_refused(make_lb, server, r):
     lb = make_lb({"s0": "a"}, sticky_ttl=60)
+    lb.acquire_server("pins-it")  # the first acquire pins sticky_ttl
     with pytest.raises(ValueError, match=r"sticky_ttl=30s.*60s"):
         make_lb(name=lb.name, sticky_ttl=30)
+
+
+def test_constructing_a_balancer_writes_nothing_unless_given_servers(server, r):
+    RedisLoadBalancer(redis=server.url, name="reader", sticky_ttl=30).get_status()
+    assert snapshot(server) == {}
+    RedisLoadBalancer({"s0": "a"}, redis=server.url, name="adder").add_servers({"s1": "b"})
+    assert not r.exists("rr:{adder}:config")  # registering replicas pins no default
+
+
+def test_settings_are_checked_again_after_the_keys_are_lost(make_lb, server, r):
+    a = make_lb({"s0": "a", "s1": "b"}, sticky_ttl=60)
+    a.acquire_server("session")
+    a.destroy()  # as a Redis restart without persistence would
+    c = make_lb({"s0": "a", "s1": "b"}, name=a.name, sticky_ttl=120)
+    c.acquire_server("session")  # the first process to acquire now pins 120 s
+    with pytest.raises(ValueError, match=r"sticky_ttl=60s.*120s"):
+        a.acquire_server("session")
+    assert c.get_total_inflight() == 1  # the refused acquire took nothing
+
+
+@pytest.mark.parametrize("bad", ["a b", "tab\there", "", "x" * 129, "new\nline", "ü"], ids=repr)
+def test_a_token_that_is_not_a_token_is_refused_before_any_write(make_lb, server, r, bad):
+    lb = make_lb({"s0": "a"})
+    lb.acquire_server("ok")
+    before = snapshot(server)
+    with pytest.raises(ValueError, match="token"):
+        lb.acquire("req", token=bad)
+    with pytest.raises(TypeError, match="token"):
+        lb.acquire("req", token=7)
+    assert snapshot(server) == before
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(token=st.text(min_size=0, max_size=140))
+def test_any_token_is_refused_or_round_trips(make_lb, server, r, token):
+    lb = make_lb({"s0": "a"})
+    before = snapshot(server)
+    try:
+        lease = lb.acquire("req", token=token)
+    except (TypeError, ValueError) as exc:
+        assert "token" in str(exc)
+        assert snapshot(server) == before
+        return
+    assert lease.token == token and lb.get_inflight_count("s0") == 1
+    assert lb.release_server("s0", "req")
+    assert invariants.check(r, lb.name) == {"s0": 0}
 
 
 def _free_port() -> int:
@@ -160,12 +216,14 @@ def test_redact_hides_credentials(url, shown):
 def test_every_key_of_a_balancer_shares_one_cluster_slot(make_lb, server, r):
     from redis.crc import key_slot
 
-    lb = make_lb({"s0": "a", "s{1}": "b", "s*2": "c"}, lease_ttl=0.05)
+    lb = make_lb({"s0": "a", "s{1}": "b", "s*2": "c"})
     for i in range(10):
         lb.acquire_server(f"r{i}")
+    lb.release_server("s0")  # leaves a resend record
     lb.drain_servers(["s0"])
     lb.reap()
     keys = r.keys("*")
+    assert {"holders", "ended", "config"} <= {k.rsplit(":", 1)[-1] for k in keys}
     assert len(keys) >= 10
     assert all(k.startswith(f"rr:{{{lb.name}}}:") for k in keys)
     assert {key_slot(k.encode()) for k in keys} == {key_slot(f"{{{lb.name}}}".encode())}

@@ -1,0 +1,30 @@
+-- heartbeat.lua: one balancer instance's periodic keep-alive, sent from the background.
+-- KEYS[1]  key prefix "rr:{NAME}:"
+-- ARGV[1]  holder            ARGV[2]  lease ttl (ms): the holder is alive until now + this
+-- ARGV[3]  sticky ttl (ms), checked against the pinned one
+-- ARGV[4]  max lease age (ms): this holder's leases acquired (or renewed) longer ago end now
+-- ARGV[5]  how long resent releases are recognised (ms)      ARGV[6]  budget (entries)
+-- Returns  { 1 if the holder was registered anew (it had been declared dead: its leases were
+--          reclaimed), leases of dead holders reclaimed, tokens of this holder's leases that
+--          outlived max lease age and were ended }; CONFIGMISMATCH as acquire.
+-- Keeps    I1, I2: one call keeps every lease of the holder alive however long its requests
+--          run; a lease its holder forgot still ends after max lease age; the leases of
+--          holders that stopped sending heartbeats are reclaimed, at most `budget` per call.
+local holder, now = ARGV[1], now_ms()
+local budget = tonumber(ARGV[6])
+local known = redis.call('ZSCORE', P .. 'holders', holder)
+local refused = heartbeat(holder, now, tonumber(ARGV[2]), ARGV[3])
+if refused then return refused end
+local owned = P .. 'owned:' .. holder
+local overdue = redis.call('ZRANGEBYSCORE', owned, '-inf', int(now - tonumber(ARGV[4])),
+  'LIMIT', '0', int(budget))
+for _, token in ipairs(overdue) do
+  local id = end_lease(token)
+  if id then
+    redis.call('HINCRBY', P .. 'reclaimed', id, '1')
+  else
+    redis.call('ZREM', owned, token)
+  end
+end
+redis.call('ZREMRANGEBYSCORE', P .. 'ended', '-inf', int(now - tonumber(ARGV[5])))
+return { known and 0 or 1, reap(now, budget), overdue }

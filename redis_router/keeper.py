@@ -1,0 +1,112 @@
+"""Keep a balancer's leases alive from the background, one heartbeat per period for all.
+
+A lease lives as long as its holder (one balancer instance in one process) keeps sending
+heartbeats, however long its request runs; when the process dies, the heartbeats stop and any
+process reclaims its leases once lease_ttl has passed (Redisson's lock watchdog, etcd's lease
+keep-alive and ZooKeeper's ephemeral nodes work the same way). The sync balancer beats from a
+daemon thread, the asyncio one from a task on its event loop; both start with the first
+acquire, so a balancer that only reads never writes. A forked child takes a holder of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from .core import BalancerCore, Heartbeat
+from .errors import RedisRouterError
+
+log = logging.getLogger("redis_router")
+
+# Every balancer of this process, so that a forked child can give each a holder of its own.
+_instances: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def track(balancer: Any) -> None:
+    """Register a balancer with a ``_forked()`` method to call in a forked child."""
+    _instances.add(balancer)
+
+
+def _after_fork_in_child() -> None:
+    for balancer in list(_instances):
+        balancer._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def report(core: BalancerCore, beat: Heartbeat) -> None:
+    """Log what a heartbeat found that the process should know about."""
+    if beat.registered_anew:
+        log.warning(
+            "balancer %r: this process's holder %s had been declared dead (no heartbeat for "
+            "lease_ttl=%gs: Redis unreachable, the process paused, or Redis lost its keys); "
+            "its leases were reclaimed and their releases will return False",
+            core.name,
+            core.holder,
+            core.lease_ttl,
+        )
+    if beat.overdue:
+        log.warning(
+            "balancer %r: ended %d lease(s) held longer than max_lease_age=%gs and never "
+            "released (tokens %s)",
+            core.name,
+            len(beat.overdue),
+            core.max_lease_age,
+            ", ".join(beat.overdue[:8]),
+        )
+
+
+class ThreadKeeper:
+    """Calls ``beat()`` every ``period`` seconds from a daemon thread until stopped. ``beat``
+    reaches the balancer through a weak reference, so a forgotten balancer is not kept
+    alive by its keeper."""
+
+    def __init__(self, beat: Callable[[], bool], period: float) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._loop, args=(beat, period), name="redis-router-keeper", daemon=True
+        )
+        self._thread.start()
+
+    def _loop(self, beat: Callable[[], bool], period: float) -> None:
+        while not self._stop.wait(period):
+            if not beat():
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+def beat_sync(ref: weakref.ref[Any]) -> bool:
+    """One heartbeat of a sync balancer; False when the balancer is gone."""
+    lb = ref()
+    if lb is None:
+        return False
+    try:
+        report(lb._core, lb._run(lb._core.heartbeat()))
+    except RedisRouterError as exc:  # Redis unreachable, settings changed: try next period
+        log.warning("balancer %r: heartbeat failed: %s", lb._core.name, exc)
+    return True
+
+
+async def keep_alive_async(ref: weakref.ref[Any], period: float) -> None:
+    """The asyncio keeper: a task that beats every ``period`` seconds while the balancer lives."""
+    while True:
+        await asyncio.sleep(period)
+        lb = ref()
+        if lb is None:
+            return
+        try:
+            report(lb._core, await lb._run(lb._core.heartbeat()))
+        except RedisRouterError as exc:  # Redis unreachable, settings changed: next period
+            log.warning("balancer %r: heartbeat failed: %s", lb._core.name, exc)
+        finally:
+            del lb  # hold no reference while sleeping

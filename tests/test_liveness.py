@@ -1,0 +1,210 @@
+"""Liveness decides a lease's life: a live process's leases never expire however long its
+requests run; a dead process's are reclaimed about lease_ttl after its last heartbeat; a
+lease its process forgot ends after max_lease_age."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+
+from redis_router import AsyncRedisLoadBalancer, RedisLoadBalancer
+from redis_router.core import HEARTBEATS_PER_TTL, OPTION_DEFAULTS, REAP_BUDGET
+
+from . import invariants
+
+SERVERS = {"s0": "a", "s1": "b"}
+
+HOLDER = """
+import sys, time
+from redis_router import RedisLoadBalancer
+lb = RedisLoadBalancer(redis=sys.argv[1], name=sys.argv[2], lease_ttl=float(sys.argv[4]))
+for i in range(int(sys.argv[3])):
+    lb.acquire_server(f"doomed-{i}")
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def _hold_in_a_process(url: str, name: str, n: int, lease_ttl: float) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, url, name, str(n), str(lease_ttl)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def _seconds_until_idle(lb: RedisLoadBalancer, limit: float) -> float:
+    started = time.monotonic()
+    while lb.get_total_inflight() > 0:
+        assert time.monotonic() - started < limit, f"still {lb.get_total_inflight()} in flight"
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def test_a_request_longer_than_lease_ttl_stays_counted(make_lb, r):
+    lb = make_lb(SERVERS, lease_ttl=0.4)
+    other = make_lb(name=lb.name, lease_ttl=0.4)  # another process's traffic reaps dead holders
+    lease = lb.acquire("long-generation")
+    for i in range(10):  # 2 s: five times lease_ttl
+        time.sleep(0.2)
+        other.release_server(*other.acquire_server(f"short-{i}")[:1], f"short-{i}")
+        assert other.reap() == 0
+        assert lb.get_inflight_count(lease.server_id) == 1
+    assert lease.release()
+    assert invariants.check(r, lb.name) == {"s0": 0, "s1": 0}
+
+
+def test_asyncio_balancer_keeps_its_leases_alive(server, r):
+    async def main() -> None:
+        lb = AsyncRedisLoadBalancer(SERVERS, redis=server.url, name="alive", lease_ttl=0.4)
+        reaper = RedisLoadBalancer(redis=server.url, name="alive", lease_ttl=0.4)
+        async with lb.lease("long") as lease:
+            for _ in range(8):
+                await asyncio.sleep(0.25)
+                assert reaper.reap() == 0
+                assert await lb.get_inflight_count(lease.server_id) == 1
+        assert await lb.get_total_inflight() == 0
+        reaper.close()
+        await lb.close()
+
+    asyncio.run(main())
+    invariants.check(r, "alive")
+
+
+def test_sigkilled_process_is_freed_within_lease_ttl(make_lb, server, r):
+    lb = make_lb(SERVERS, lease_ttl=1.0)
+    lb.release_server(*lb.acquire_server("warm")[:1], "warm")  # its keeper runs from now on
+    proc = _hold_in_a_process(server.url, lb.name, 25, 1.0)
+    try:
+        assert lb.get_total_inflight() == 25
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+    finally:
+        proc.kill()
+        proc.wait()
+    # No explicit reap and no traffic: the living process's heartbeats reclaim them. Bound:
+    # lease_ttl after the last heartbeat, plus one heartbeat period of the reclaimer, plus slack.
+    waited = _seconds_until_idle(lb, 1.0 + 2 * 1.0 / HEARTBEATS_PER_TTL + 2.0)
+    print(f"reclaimed 25 leases {time.monotonic() - killed:.2f} s after SIGKILL ({waited:.2f})")
+    assert invariants.check(r, lb.name) == {"s0": 0, "s1": 0}
+    assert sum(v["reclaimed"] for v in lb.get_status()["replicas"].values()) == 25
+
+
+@pytest.mark.slow
+def test_default_settings_free_a_sigkilled_process_within_30_seconds(make_lb, server, binary):
+    if binary is not invariants_first_binary():
+        pytest.skip("measured once, on the first server binary: it takes ~25 s")
+    assert OPTION_DEFAULTS["lease_ttl"] == 20.0
+    lb = make_lb(SERVERS)
+    lb.release_server(*lb.acquire_server("warm")[:1], "warm")
+    proc = _hold_in_a_process(server.url, lb.name, 10, OPTION_DEFAULTS["lease_ttl"])
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+    finally:
+        proc.kill()
+        proc.wait()
+    _seconds_until_idle(lb, 30.0)
+    print(f"default settings: reclaimed {time.monotonic() - killed:.1f} s after SIGKILL")
+
+
+def invariants_first_binary() -> object:
+    from .conftest import BINARIES
+
+    return BINARIES[0]
+
+
+def test_one_acquire_examines_a_bounded_number_of_dead_leases(make_lb, r):
+    servers = {f"s{i}": None for i in range(400)}
+    lb = make_lb(servers, lease_ttl=0.2)
+    dead = make_lb(name=lb.name, lease_ttl=0.2)
+    dead.acquire_many([f"d{i}" for i in range(400)])  # one on every replica
+    dead._keeper.stop()  # the process stops sending heartbeats (as if it hung or died)
+    time.sleep(0.4)
+    before = _commands(r)
+    lb.acquire_server("fresh")
+    calls = _commands(r) - before
+    # Each reclaimed lease costs about ten commands; a normal acquire about twenty. The
+    # dead holder's 400 leases are not walked: REAP_BUDGET entries are.
+    assert calls <= 25 + 12 * REAP_BUDGET, calls
+    assert lb.get_total_inflight() == 1 + 400 - REAP_BUDGET
+    assert lb.reap() == 400 - REAP_BUDGET
+    invariants.check(r, lb.name)
+
+
+def _commands(r: redis.Redis) -> int:
+    """Commands the server has run (scripts' own calls included), from INFO commandstats."""
+    stats = r.info("commandstats")
+    return sum(v["calls"] for k, v in stats.items() if k not in ("cmdstat_info",))
+
+
+def test_a_forgotten_lease_ends_after_max_lease_age(make_lb, r, caplog):
+    lb = make_lb(SERVERS, lease_ttl=0.2, max_lease_age=0.5)
+    forgotten = lb.acquire("forgotten")
+    with caplog.at_level(logging.WARNING, logger="redis_router"):
+        _seconds_until_idle(lb, 0.5 + 2 * 0.2 + 1.0)
+        time.sleep(0.1)
+    assert "max_lease_age" in caplog.text and forgotten.token in caplog.text
+    assert not forgotten.release()
+    assert sum(v["reclaimed"] for v in lb.get_status()["replicas"].values()) == 1
+    invariants.check(r, lb.name)
+
+
+def test_closing_a_balancer_lets_its_leases_go_at_once(make_lb, r):
+    lb = make_lb(SERVERS, lease_ttl=60.0)
+    other = make_lb(name=lb.name)
+    lb.acquire_many(["a", "b", "c"])
+    lb.close()
+    assert other.get_total_inflight() == 3  # still counted, until someone reaps
+    assert other.reap() == 3
+    assert invariants.check(r, lb.name) == {"s0": 0, "s1": 0}
+    assert other.get_status()["holders"] == {"live": 0, "dead": 0, "awaiting_reclaim": 0}
+
+
+def test_status_shows_live_and_dead_holders(make_lb):
+    watcher = make_lb(SERVERS, lease_ttl=0.2)  # only reads: no keeper, so it reaps nothing
+    holder = make_lb(name=watcher.name, lease_ttl=0.2)
+    holder.acquire_many(["y", "z"])
+    assert watcher.get_status()["holders"] == {"live": 1, "dead": 0, "awaiting_reclaim": 0}
+    holder._keeper.stop()  # as if the process hung
+    time.sleep(0.4)
+    assert watcher.get_status()["holders"] == {"live": 0, "dead": 1, "awaiting_reclaim": 2}
+
+
+FORKED = """
+import os, sys, time
+from redis_router import RedisLoadBalancer
+lb = RedisLoadBalancer({"s0": "a"}, redis=sys.argv[1], name=sys.argv[2], lease_ttl=0.3)
+lb.acquire_server("parent")
+pid = os.fork()
+if pid == 0:
+    lb.acquire_server("child")
+    print(lb._core.holder, flush=True)
+    time.sleep(1.5)  # the child lives on, its keeper beating; the parent exits at once
+    print(lb.get_inflight_count("s0"), flush=True)
+    os._exit(0)
+print(lb._core.holder, flush=True)
+os._exit(0)  # dies without closing: its lease goes after lease_ttl
+"""
+
+
+def test_a_forked_child_holds_its_leases_under_its_own_holder(server, r):
+    out = subprocess.run(
+        [sys.executable, "-c", FORKED, server.url, "forked"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout.split()
+    holders, count = out[:2], out[2]
+    assert len(set(holders)) == 2, out
+    assert count == "1", out  # the parent's lease was reclaimed; the child's lives on

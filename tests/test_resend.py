@@ -1,0 +1,126 @@
+"""Every state change is safe to resend: redis-py resends a command after a timeout, and the
+first copy may already have run. A resent acquire returns the same lease; a resent release
+reports the first copy's result and never ends a second lease."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from redis_router import RedisLoadBalancer
+
+from . import invariants
+
+# Keeps the server busy inside one script: every other client waits, as behind a slow command.
+BUSY = "local n = 0 for i = 1, tonumber(ARGV[1]) do n = n + i end return 1"
+TIMEOUT = 0.3
+
+
+def _loop_count_for(r: redis.Redis, seconds: float) -> int:
+    n = 2_000_000
+    while True:
+        t0 = time.perf_counter()
+        r.eval(BUSY, 0, n)
+        took = time.perf_counter() - t0
+        if took > 0.05:
+            return int(n * seconds / took)
+        n *= 4
+
+
+@pytest.fixture
+def stall(r: redis.Redis) -> Iterator[Callable[[], threading.Thread]]:
+    """Start a script that blocks the server for ~2.5 client timeouts, from another connection."""
+    n = _loop_count_for(r, 2.5 * TIMEOUT)
+    blocker = redis.Redis(host="127.0.0.1", port=r.connection_pool.connection_kwargs["port"])
+    threads: list[threading.Thread] = []
+
+    def start() -> threading.Thread:
+        t = threading.Thread(target=blocker.eval, args=(BUSY, 0, n))
+        t.start()
+        threads.append(t)
+        time.sleep(0.05)  # the script is running: the next command waits behind it
+        return t
+
+    yield start
+    for t in threads:
+        t.join()
+    blocker.close()
+
+
+@pytest.fixture
+def impatient(server: Any) -> Iterator[redis.Redis]:
+    """A client that gives up on a reply after TIMEOUT and resends the command, as redis-py
+    does with retries configured."""
+    c = redis.Redis(
+        host="127.0.0.1",
+        port=server.port,
+        socket_timeout=TIMEOUT,
+        retry=Retry(NoBackoff(), 4),
+        decode_responses=True,
+    )
+    yield c
+    c.close()
+
+
+def _lb(client: redis.Redis, name: str) -> RedisLoadBalancer:
+    return RedisLoadBalancer({"s0": None}, redis=client, name=name)
+
+
+def _resent(
+    r: redis.Redis, action: Callable[[], Any], stall: Callable[[], threading.Thread]
+) -> Any:
+    before = r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    stall().join(timeout=0)
+    result = action()
+    sent = r.info("commandstats")["cmdstat_evalsha"]["calls"] - before
+    assert sent >= 2, f"the command was not resent ({sent} copies ran): the stall is too short"
+    return result
+
+
+def test_a_resent_release_without_request_id_ends_one_lease(impatient, r, stall):
+    lb = _lb(impatient, "resend-replica")
+    lb.acquire_server("a"), lb.acquire_server("b")
+    assert _resent(r, lambda: lb.release_server("s0"), stall) is True
+    assert lb.get_inflight_count("s0") == 1
+    assert lb.release_server("s0") and not lb.release_server("s0")
+    assert invariants.check(r, lb.name) == {"s0": 0}
+
+
+def test_a_resent_release_by_request_id_reports_true_and_ends_one_lease(impatient, r, stall):
+    lb = _lb(impatient, "resend-request")
+    lb.acquire_server("same"), lb.acquire_server("same")  # two leases of one request id
+    assert _resent(r, lambda: lb.release_server("s0", "same"), stall) is True
+    assert lb.get_inflight_count("s0") == 1
+    assert lb.release_server("s0", "same")
+    assert invariants.check(r, lb.name) == {"s0": 0}
+
+
+def test_a_resent_lease_release_reports_true(impatient, r, stall):
+    lb = _lb(impatient, "resend-lease")
+    lease, other = lb.acquire("x"), lb.acquire("y")
+    assert _resent(r, lease.release, stall) is True
+    assert lb.get_inflight_count("s0") == 1 and other.release()
+    assert invariants.check(r, lb.name) == {"s0": 0}
+
+
+def test_a_resent_acquire_takes_one_lease(impatient, r, stall):
+    lb = _lb(impatient, "resend-acquire")
+    lease = _resent(r, lambda: lb.acquire("x"), stall)
+    assert lb.get_inflight_count("s0") == 1
+    assert lease.release()
+    assert invariants.check(r, lb.name) == {"s0": 0}
+
+
+def test_a_second_release_of_the_same_token_by_another_lease_object_is_false(make_lb, r):
+    lb = make_lb({"s0": None})
+    first = lb.acquire("req")
+    again = lb.acquire("req", token=first.token)  # the same lease, held twice in this process
+    assert first.release() and not again.release()
+    assert invariants.check(r, lb.name) == {"s0": 0}
