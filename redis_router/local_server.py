@@ -1,13 +1,11 @@
-"""Find Redis-compatible server binaries and run private server processes.
+"""Find Redis-compatible server binaries and run a private server process.
 
-Tests, the demo command and benchmarks need real servers (plain, Cluster and
-Sentinel) without touching whatever Redis the machine already runs. Every
-process started here listens on a free loopback port, lives in its own temp
-dir, and is tracked by PID so that only processes this module started are ever
-signalled -- including from the ``atexit`` hook that reaps leftovers.
+The demo, the simulator and the benchmarks (and the tests) need a real server without touching
+whatever Redis the machine already runs. Every process started here listens on a free loopback
+port, lives in its own temp dir, and is tracked by PID so that only processes this module
+started are ever signalled, including from the ``atexit`` hook that reaps leftovers.
 
-Only the stdlib and redis-py are used, so this module can be imported from a
-test suite or a benchmark without extra dependencies.
+Only the stdlib and redis-py are used, so a test suite or a benchmark imports it without extras.
 """
 
 from __future__ import annotations
@@ -24,36 +22,30 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import redis
-import redis.cluster
-import redis.sentinel
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 __all__ = [
     "ENV_SERVER_BIN",
-    "LocalCluster",
-    "LocalSentinelGroup",
     "LocalServer",
     "ServerBinary",
     "find_server_binaries",
     "first_server_binary",
+    "given_or_private_redis",
+    "probe_client",
 ]
 
 ENV_SERVER_BIN = "REDIS_ROUTER_SERVER_BIN"
 """Env var: ``os.pathsep``-separated server binaries to try before the defaults."""
 
 HOST = "127.0.0.1"
-CLUSTER_SLOTS = 16384
-# Redis derives the cluster bus port as port + 10000; ``--cluster-port`` would
-# avoid that but only exists from 7.0 on, so node ports must leave room for it.
-_CLUSTER_BUS_OFFSET = 10000
 _MAX_PORT = 65535
 _PORT_ATTEMPTS = 5
 _ADDRSINUSE = "Address already in use"
@@ -245,44 +237,43 @@ def _port_is_free(port: int) -> bool:
     return True
 
 
-def _pick_port(*, with_bus: bool) -> int:
-    """A currently free loopback port, reserved within this process.
+def _ports(port: int, offsets: Sequence[int]) -> set[int]:
+    return {port, *(port + offset for offset in offsets)}
+
+
+def _pick_port(offsets: Sequence[int]) -> int:
+    """A currently free loopback port, reserved within this process, with port + each of
+    ``offsets`` free and valid too (a cluster node also binds its bus port).
 
     The kernel hands out port 0 binds from the ephemeral range; we close the
     socket right away, so another process may still grab it before the server
     binds -- ``LocalServer.start`` retries on "Address already in use". The
     in-process reservation keeps a stopped server's port from being handed to
-    a new server before the old one is restarted. ``with_bus`` also requires
-    port + 10000 (the cluster bus) to be free and valid.
+    a new server before the old one is restarted.
     """
     for _ in range(500):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind((HOST, 0))
             port = int(sock.getsockname()[1])
-        wanted = [port]
-        if with_bus:
-            bus = port + _CLUSTER_BUS_OFFSET
-            if bus > _MAX_PORT or not _port_is_free(bus):
-                continue
-            wanted.append(bus)
+        wanted = _ports(port, offsets)
+        if max(wanted) > _MAX_PORT or not all(_port_is_free(p) for p in wanted - {port}):
+            continue
         with _LOCK:
-            if any(p in _RESERVED_PORTS for p in wanted):
+            if wanted & _RESERVED_PORTS:
                 continue
             _RESERVED_PORTS.update(wanted)
         return port
     raise RuntimeError("could not find a free loopback port")
 
 
-def _release_port(port: int | None, *, with_bus: bool) -> None:
+def _release_port(port: int | None, offsets: Sequence[int]) -> None:
     if port is None:
         return
     with _LOCK:
-        _RESERVED_PORTS.discard(port)
-        if with_bus:
-            _RESERVED_PORTS.discard(port + _CLUSTER_BUS_OFFSET)
+        _RESERVED_PORTS.difference_update(_ports(port, offsets))
 
 
-def _quick_client(host: str, port: int, password: str | None = None) -> redis.Redis:
+def probe_client(host: str, port: int, password: str | None = None) -> redis.Redis:
     """A client for setup/health checks: short timeouts and no retries, so a
     wait loop polls at its own pace instead of redis-py's backoff."""
     return redis.Redis(
@@ -302,7 +293,7 @@ def _is_ready(host: str, port: int, password: str | None, pid: int) -> bool:
     process is about to exit with EADDRINUSE but the PING would succeed
     against the stranger.
     """
-    client = _quick_client(host, port, password)
+    client = probe_client(host, port, password)
     try:
         if not client.ping():
             return False
@@ -311,18 +302,6 @@ def _is_ready(host: str, port: int, password: str | None, pid: int) -> bool:
         return False
     finally:
         client.close()
-
-
-def _as_text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _as_dict(reply: Any) -> dict[str, Any]:
-    """Normalise a RESP2 flat list or RESP3 map into ``{str: value}``."""
-    if isinstance(reply, Mapping):
-        return {_as_text(k): v for k, v in reply.items()}
-    items = list(reply)
-    return {_as_text(items[i]): items[i + 1] for i in range(0, len(items) - 1, 2)}
 
 
 def _read_from(path: str, offset: int) -> str:
@@ -358,6 +337,9 @@ class LocalServer:
     ``close()`` (also ``__exit__`` and interpreter exit) deletes it.
     """
 
+    port_offsets: tuple[int, ...] = ()
+    """Further ports the server binds, relative to its own (a cluster node: its bus port)."""
+
     def __init__(
         self,
         binary: ServerBinary,
@@ -377,22 +359,14 @@ class LocalServer:
         # retries briefly, since a killed predecessor may still be closing.
         self._port_requested = port is not None
         self._port_pinned = port is not None
-        self._with_bus = self._wants_cluster_bus(self.args)
         if port is not None:
             with _LOCK:
-                _RESERVED_PORTS.add(port)
+                _RESERVED_PORTS.update(_ports(port, self.port_offsets))
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.mkdtemp(prefix=f"redis-router-{binary.label}-")
         with _LOCK:
             _OWNED_DIRS.add(self._dir)
         self._closed = False
-
-    @staticmethod
-    def _wants_cluster_bus(args: Sequence[str]) -> bool:
-        for i, arg in enumerate(args[:-1]):
-            if arg.lstrip("-") == "cluster-enabled" and args[i + 1].lower() == "yes":
-                return True
-        return False
 
     # -- properties -----------------------------------------------------
 
@@ -481,7 +455,7 @@ class LocalServer:
         while True:
             attempt += 1
             if self._port is None:
-                self._port = _pick_port(with_bus=self._with_bus)
+                self._port = _pick_port(self.port_offsets)
             try:
                 self._spawn_and_wait(self._port, deadline)
             except _AddressInUse as exc:
@@ -497,7 +471,7 @@ class LocalServer:
                 if self._port_pinned:
                     time.sleep(0.2)  # e.g. a just-killed twin still closing
                 else:
-                    _release_port(self._port, with_bus=self._with_bus)
+                    _release_port(self._port, self.port_offsets)
                     self._port = None
                 continue
             self._port_pinned = True
@@ -586,7 +560,7 @@ class LocalServer:
         if self._closed:
             return
         self._closed = True
-        _release_port(self._port, with_bus=self._with_bus)
+        _release_port(self._port, self.port_offsets)
         with _LOCK:
             _OWNED_DIRS.discard(self._dir)
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -612,385 +586,6 @@ class LocalServer:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-def _wait_for(
-    what: str,
-    check: Any,
-    timeout: float,
-    interval: float = 0.1,
-) -> None:
-    """Poll ``check()`` until truthy; RuntimeError naming ``what`` on timeout.
-
-    Connection errors count as "not yet" since nodes are still converging.
-    """
-    deadline = time.monotonic() + timeout
-    last: BaseException | None = None
-    while True:
-        try:
-            if check():
-                return
-        except (redis.RedisError, OSError) as exc:
-            last = exc
-        if time.monotonic() >= deadline:
-            detail = f" (last error: {last!r})" if last is not None else ""
-            raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}{detail}")
-        time.sleep(interval)
-
-
-def _close_all(servers: Sequence[LocalServer]) -> None:
-    for server in servers:
-        server.close()
-
-
-# --------------------------------------------------------------------------
-# Cluster
-# --------------------------------------------------------------------------
-
-
-class LocalCluster:
-    """A real Redis Cluster of ``masters`` nodes (no replicas) from one binary.
-
-    Built without redis-cli: slots are assigned per node, config epochs set,
-    then nodes MEET, so it works on any binary we can find.
-    """
-
-    def __init__(self, binary: ServerBinary, masters: int = 3) -> None:
-        if masters < 1:
-            raise ValueError("masters must be >= 1")
-        self.binary = binary
-        self.masters = masters
-        self.nodes: list[LocalServer] = []
-
-    @property
-    def startup_nodes(self) -> list[tuple[str, int]]:
-        return [(node.host, node.port) for node in self.nodes]
-
-    @property
-    def url(self) -> str:
-        hosts = ",".join(f"{h}:{p}" for h, p in self.startup_nodes)
-        return f"redis+cluster://{hosts}"
-
-    def slot_ranges(self) -> list[tuple[int, int]]:
-        """Inclusive slot range owned by each node, split as evenly as possible."""
-        n = self.masters
-        return [(i * CLUSTER_SLOTS // n, (i + 1) * CLUSTER_SLOTS // n - 1) for i in range(n)]
-
-    def start(self, timeout: float = 30.0) -> LocalCluster:
-        if self.nodes:
-            return self
-        args = [
-            "--cluster-enabled", "yes",
-            "--cluster-config-file", "nodes.conf",
-            "--cluster-node-timeout", "2000",
-        ]  # fmt: skip
-        try:
-            for _ in range(self.masters):
-                node = LocalServer(self.binary, args=args)
-                self.nodes.append(node)
-                node.start()
-            self._form(timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def _form(self, timeout: float) -> None:
-        clients = [_quick_client(n.host, n.port) for n in self.nodes]
-        try:
-            for epoch, (client, (first, last)) in enumerate(
-                zip(clients, self.slot_ranges(), strict=True), start=1
-            ):
-                self._add_slots(client, first, last)
-                # Distinct epochs up front avoid a round of epoch-collision
-                # resolution once nodes meet (what redis-cli does too).
-                client.execute_command("CLUSTER", "SET-CONFIG-EPOCH", epoch)
-            for node in self.nodes[1:]:
-                clients[0].execute_command("CLUSTER", "MEET", node.host, node.port)
-
-            def converged() -> bool:
-                for client in clients:
-                    info = _as_text(client.execute_command("CLUSTER", "INFO"))
-                    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-                    if fields.get("cluster_state") != "ok":
-                        return False
-                    if fields.get("cluster_known_nodes") != str(self.masters):
-                        return False
-                    if fields.get("cluster_slots_ok") != str(CLUSTER_SLOTS):
-                        return False
-                    nodes = _as_text(client.execute_command("CLUSTER", "NODES"))
-                    lines = [line.split() for line in nodes.splitlines() if line.strip()]
-                    if len(lines) != self.masters:
-                        return False
-                    if any(len(p) < 8 or p[7] != "connected" for p in lines):
-                        return False
-                return True
-
-            _wait_for("cluster_state:ok on every node", converged, timeout)
-        finally:
-            for client in clients:
-                client.close()
-
-    @staticmethod
-    def _add_slots(client: redis.Redis, first: int, last: int) -> None:
-        """ADDSLOTSRANGE (7.0+), else ADDSLOTS in chunks (6.2 lacks the former)."""
-        try:
-            client.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
-            return
-        except redis.ResponseError as exc:
-            if "unknown" not in str(exc).lower():
-                raise
-        for lo in range(first, last + 1, 1000):
-            chunk = range(lo, min(lo + 1000, last + 1))
-            client.execute_command("CLUSTER", "ADDSLOTS", *chunk)
-
-    def client(self, **kw: Any) -> redis.cluster.RedisCluster:
-        """A redis-py cluster client seeded with every node."""
-        nodes = [redis.cluster.ClusterNode(h, p) for h, p in self.startup_nodes]
-        return redis.cluster.RedisCluster(startup_nodes=nodes, **kw)
-
-    def stop(self) -> None:
-        """Stop every node and delete their dirs; idempotent."""
-        nodes, self.nodes = self.nodes, []
-        _close_all(nodes)
-
-    def __enter__(self) -> LocalCluster:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-
-# --------------------------------------------------------------------------
-# Sentinel
-# --------------------------------------------------------------------------
-
-
-class _SentinelServer(LocalServer):
-    """The binary in sentinel mode, driven by a config file it may rewrite."""
-
-    def __init__(
-        self,
-        binary: ServerBinary,
-        *,
-        service_name: str,
-        master: tuple[str, int],
-        quorum: int,
-    ) -> None:
-        super().__init__(binary)
-        self.service_name = service_name
-        self._monitor = master
-        self._quorum = quorum
-        self._conf_port: int | None = None
-
-    @property
-    def conf_path(self) -> str:
-        return os.path.join(self.dir, "sentinel.conf")
-
-    def _command(self, port: int) -> list[str]:
-        # Keep a conf the sentinel already rewrote (restart keeps its state);
-        # write a fresh one for a first start or a retry on a new port.
-        if self._conf_port != port or not os.path.exists(self.conf_path):
-            name = self.service_name
-            host, master_port = self._monitor
-            lines = [
-                f"port {port}",
-                f"bind {HOST}",
-                f'dir "{self.dir}"',
-                f'logfile "{self.log_path}"',
-                "daemonize no",
-                f"sentinel monitor {name} {host} {master_port} {self._quorum}",
-                f"sentinel down-after-milliseconds {name} 1000",
-                f"sentinel failover-timeout {name} 5000",
-                f"sentinel parallel-syncs {name} 1",
-            ]
-            with open(self.conf_path, "w") as fh:
-                fh.write("\n".join(lines) + "\n")
-            self._conf_port = port
-        return [self.binary.path, self.conf_path, "--sentinel", *self.args]
-
-
-class LocalSentinelGroup:
-    """One master, one replica and ``sentinels`` sentinels, for failover tests."""
-
-    def __init__(
-        self,
-        binary: ServerBinary,
-        service_name: str = "mymaster",
-        sentinels: int = 3,
-    ) -> None:
-        if sentinels < 1:
-            raise ValueError("sentinels must be >= 1")
-        self.binary = binary
-        self.service_name = service_name
-        self.sentinel_count = sentinels
-        self.quorum = min(2, sentinels)
-        self._master: LocalServer | None = None
-        self._replica: LocalServer | None = None
-        self.sentinels: list[LocalServer] = []
-
-    @property
-    def master(self) -> LocalServer:
-        """The server currently holding the master role (swapped by failover())."""
-        if self._master is None:
-            raise RuntimeError("group not started")
-        return self._master
-
-    @property
-    def replica(self) -> LocalServer:
-        if self._replica is None:
-            raise RuntimeError("group not started")
-        return self._replica
-
-    @property
-    def sentinel_addresses(self) -> list[tuple[str, int]]:
-        return [(s.host, s.port) for s in self.sentinels]
-
-    @property
-    def url(self) -> str:
-        hosts = ",".join(f"{h}:{p}" for h, p in self.sentinel_addresses)
-        return f"redis+sentinel://{hosts}/{self.service_name}"
-
-    def start(self, timeout: float = 30.0) -> LocalSentinelGroup:
-        """Start master, replica (fully synced), then sentinels; return once
-        every sentinel knows the replica and all other sentinels, so that a
-        failover can be requested immediately."""
-        if self._master is not None:
-            return self
-        deadline = time.monotonic() + timeout
-        try:
-            # 7.0+ delays diskless full syncs by 5 s by default; skip the wait.
-            self._master = LocalServer(
-                self.binary, args=["--repl-diskless-sync-delay", "0"]
-            ).start()
-            master = self._master
-            self._replica = LocalServer(
-                self.binary,
-                args=[
-                    "--replicaof", master.host, str(master.port),
-                    "--repl-diskless-sync-delay", "0",
-                ],
-            ).start()  # fmt: skip
-            replica_client = _quick_client(self._replica.host, self._replica.port)
-            try:
-                _wait_for(
-                    "replica to sync",
-                    lambda: replica_client.info("replication").get("master_link_status") == "up",
-                    max(1.0, deadline - time.monotonic()),
-                )
-            finally:
-                replica_client.close()
-            for _ in range(self.sentinel_count):
-                sentinel = _SentinelServer(
-                    self.binary,
-                    service_name=self.service_name,
-                    master=(master.host, master.port),
-                    quorum=self.quorum,
-                )
-                self.sentinels.append(sentinel)
-                sentinel.start()
-            _wait_for(
-                "sentinels to discover the replica and each other",
-                self._sentinels_ready,
-                max(1.0, deadline - time.monotonic()),
-                interval=0.2,
-            )
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def _sentinel_call(self, sentinel: LocalServer, *args: Any) -> Any:
-        client = _quick_client(sentinel.host, sentinel.port)
-        try:
-            return client.execute_command("SENTINEL", *args)
-        finally:
-            client.close()
-
-    def _sentinels_ready(self) -> bool:
-        for sentinel in self.sentinels:
-            state = _as_dict(self._sentinel_call(sentinel, "MASTER", self.service_name))
-            if int(state.get("num-other-sentinels", -1)) != len(self.sentinels) - 1:
-                return False
-            replicas = [
-                _as_dict(r) for r in self._sentinel_call(sentinel, "REPLICAS", self.service_name)
-            ]
-            healthy = [
-                r
-                for r in replicas
-                if not {"s_down", "o_down", "disconnected"}
-                & set(_as_text(r.get("flags", "")).split(","))
-            ]
-            if not healthy:
-                return False
-        return True
-
-    def master_address(self, sentinel: LocalServer | None = None) -> tuple[str, int]:
-        """The master address as reported by one sentinel (the first by default)."""
-        target = sentinel if sentinel is not None else self.sentinels[0]
-        host, port = self._sentinel_call(target, "GET-MASTER-ADDR-BY-NAME", self.service_name)
-        return _as_text(host), int(port)
-
-    def failover(self, timeout: float = 30.0) -> tuple[str, int]:
-        """Force a failover and return the new master's address.
-
-        Waits until every sentinel reports the new address and that server
-        answers ROLE with "master"; ``master``/``replica`` are swapped to match.
-        """
-        old = self.master_address()
-        self._sentinel_call(self.sentinels[0], "FAILOVER", self.service_name)
-        new: list[tuple[str, int]] = []
-
-        def switched() -> bool:
-            addresses = {self.master_address(s) for s in self.sentinels}
-            if len(addresses) != 1:
-                return False
-            (address,) = addresses
-            if address == old:
-                return False
-            client = _quick_client(*address)
-            try:
-                role = client.execute_command("ROLE")
-            finally:
-                client.close()
-            if _as_text(role[0]) != "master":
-                return False
-            new[:] = [address]
-            return True
-
-        _wait_for(f"failover of {self.service_name} away from {old}", switched, timeout)
-        address = new[0]
-        if self._replica is not None and address[1] == self._replica.port:
-            self._master, self._replica = self._replica, self._master
-        return address
-
-    def sentinel_client(self, **kw: Any) -> redis.sentinel.Sentinel:
-        """A redis-py Sentinel object pointed at every sentinel of the group."""
-        return redis.sentinel.Sentinel(self.sentinel_addresses, **kw)
-
-    def stop(self) -> None:
-        """Stop sentinels first (so they do not react), then the data nodes."""
-        sentinels, self.sentinels = self.sentinels, []
-        _close_all(sentinels)
-        servers = [s for s in (self._replica, self._master) if s is not None]
-        self._master = self._replica = None
-        _close_all(servers)
-
-    def __enter__(self) -> LocalSentinelGroup:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 @contextmanager

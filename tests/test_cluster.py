@@ -18,9 +18,10 @@ import redis.cluster
 from redis.crc import key_slot
 
 from redis_router import AsyncRedisLoadBalancer, NoServersAvailable, RedisLoadBalancer
-from redis_router.local_server import LocalCluster, find_server_binaries
+from redis_router.local_server import find_server_binaries
 
 from . import invariants
+from .servers import LocalCluster
 
 BINARIES = find_server_binaries()
 _names = itertools.count()

@@ -1,4 +1,5 @@
-"""Tests for redis_router.local_server against real server processes.
+"""Private servers (redis_router.local_server, and the cluster and sentinel topologies of
+tests/servers.py) against real server processes.
 
 Every test starts its own servers on free ports; the machine's own Redis is
 never touched. Tests are parametrized over every binary found, so a missing
@@ -7,8 +8,6 @@ binary shrinks the matrix instead of failing it.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,7 +15,6 @@ import textwrap
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -26,25 +24,11 @@ import redis.sentinel
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-_MODULE_FILE = Path(__file__).resolve().parents[1] / "redis_router" / "local_server.py"
+import redis_router.local_server as ls
+from redis_router.local_server import LocalServer
 
+from .servers import LocalCluster, LocalSentinelGroup
 
-def _load() -> ModuleType:
-    """Import the module normally; fall back to its file path so these tests
-    still run while the rest of the package (its __init__) is in flux."""
-    try:
-        return importlib.import_module("redis_router.local_server")
-    except ImportError:
-        spec = importlib.util.spec_from_file_location("_local_server_under_test", _MODULE_FILE)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look the module up
-        spec.loader.exec_module(module)
-        return module
-
-
-ls = _load()
-LocalServer = ls.LocalServer
 BINARIES = ls.find_server_binaries()
 
 if not BINARIES:
@@ -222,11 +206,7 @@ def test_atexit_kills_leftover_servers(tmp_path: Path) -> None:
     b = BINARIES[0]
     script = textwrap.dedent(
         f"""
-        import importlib.util, sys
-        spec = importlib.util.spec_from_file_location("ls_child", {str(_MODULE_FILE)!r})
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["ls_child"] = mod
-        spec.loader.exec_module(mod)
+        import redis_router.local_server as mod
         server_bin = mod.ServerBinary({b.kind!r}, {b.version!r}, {b.path!r})
         s = mod.LocalServer(server_bin).start()
         print(s.pid, s.dir, flush=True)
@@ -243,7 +223,7 @@ def test_atexit_kills_leftover_servers(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("server_bin", CLUSTER)
 def test_cluster_forms_and_serves(server_bin) -> None:
-    with ls.LocalCluster(server_bin, masters=3) as cluster:
+    with LocalCluster(server_bin, masters=3) as cluster:
         ports = [p for _, p in cluster.startup_nodes]
         assert len(set(ports)) == 3
         assert cluster.url == "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
@@ -268,7 +248,7 @@ def test_cluster_forms_and_serves(server_bin) -> None:
 @pytest.mark.slow
 def test_sentinel_failover() -> None:
     binary = BINARIES[0]
-    with ls.LocalSentinelGroup(binary) as group:
+    with LocalSentinelGroup(binary) as group:
         ports = [p for _, p in group.sentinel_addresses]
         assert group.url == (
             "redis+sentinel://" + ",".join(f"127.0.0.1:{p}" for p in ports) + "/mymaster"

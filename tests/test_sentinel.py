@@ -18,9 +18,10 @@ import pytest
 import redis.asyncio.sentinel
 
 from redis_router import AsyncRedisLoadBalancer, RedisLoadBalancer, RedisUnavailable
-from redis_router.local_server import LocalSentinelGroup, find_server_binaries
+from redis_router.local_server import find_server_binaries
 
 from . import invariants
+from .servers import LocalSentinelGroup
 
 BINARIES = find_server_binaries()
 LEASE_TTL = 1.0
