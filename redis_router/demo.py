@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._cli_common import CliError
 from .balancer import RedisLoadBalancer
+from .cli.common import CliError
 from .local_server import given_or_private_redis
 
 MODES = {"random": "random tie-break (new)", "first": "first candidate (old)"}

@@ -243,7 +243,8 @@ class Result:
 def router_class(key: str) -> type:
     """A router class from a ``module:Class`` spec (ROUTERS' values)."""
     module, _, attr = ROUTERS.get(key, key).partition(":")
-    return getattr(importlib.import_module(module), attr)
+    cls: type = getattr(importlib.import_module(module), attr)
+    return cls
 
 
 def _servers(n: int) -> dict[str, str]:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -136,13 +137,79 @@ def test_status_json_is_the_same_data(server, make_lb):
     assert (snap["totals"]["active"], snap["totals"]["draining"]) == (2, 1)
 
 
-def test_status_changes_nothing_in_redis(server, make_lb, r):
+def keyspace(r) -> dict[str, Any]:
+    """Every key with its serialized value, and the key count, as Redis reports them."""
+    keys = {k: r.dump(k) for k in r.scan_iter("*", count=1000)}
+    return {"dbsize": r.dbsize(), "keys": keys}
+
+
+def run_read_only(args: list[str], url: str, name: str) -> None:
+    """Run a read-only command to the point where it has read the balancer at least twice."""
+    head = [*CLI, "--redis", url, "--name", name]
+    if args[0] == "exporter":
+        proc = subprocess.Popen(
+            [*head, "exporter", "--port", "0", "--addr", "127.0.0.1"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env_without_redis_url(),
+        )
+        timer = watchdog(proc)
+        try:
+            assert proc.stdout is not None
+            metrics = re.search(r"(http://\S+/metrics)", proc.stdout.readline())
+            assert metrics, proc.stderr
+            for _ in range(2):
+                with urllib.request.urlopen(metrics.group(1), timeout=10) as resp:
+                    assert b"redis_router_up" in resp.read()
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=30)
+            timer.cancel()
+    elif "--watch" in args:
+        proc = subprocess.Popen(
+            [*head, *args, "--interval", "0.05"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env_without_redis_url(),
+        )
+        timer = watchdog(proc)
+        try:
+            assert proc.stdout is not None
+            frames = 0
+            for line in proc.stdout:
+                frames += line.startswith(("balancer ", "{", "redis-router: error"))
+                if frames == 3:
+                    break
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=30)
+            timer.cancel()
+    else:
+        run_cli("--name", name, *args, redis=url)
+
+
+READ_ONLY = [["status"], ["status", "--json"], ["status", "--watch"], ["exporter"]]
+
+
+@pytest.mark.parametrize("args", READ_ONLY, ids=lambda a: "-".join(a))
+def test_read_only_commands_change_nothing_in_redis(server, make_lb, r, args):
     lb = make_lb(SERVERS, sticky_ttl=45)
-    lb.acquire_server("a")
-    before = {k: r.dump(k) for k in r.keys("*")}
-    assert run_cli("--name", lb.name, "status", redis=server.url).returncode == 0
-    assert {k: r.dump(k) for k in r.keys("*")} == before
-    assert r.hget(f"rr:{{{lb.name}}}:config", "sticky_ttl_ms") == "45000"
+    held = [lb.acquire(f"chat-{i}") for i in range(3)]
+    held[0].release()
+    lb.drain_servers(["s3"])
+    lb.close()  # nothing of this process writes from here on
+    before = keyspace(r)
+    assert before["dbsize"] > 0 and r.hget(f"rr:{{{lb.name}}}:config", "sticky_ttl_ms")
+    run_read_only(args, server.url, lb.name)
+    assert keyspace(r) == before
+
+
+@pytest.mark.parametrize("args", READ_ONLY, ids=lambda a: "-".join(a))
+def test_read_only_commands_on_an_empty_redis_create_nothing(server, r, args):
+    run_read_only(args, server.url, "default")
+    assert r.dbsize() == 0
 
 
 def test_status_of_an_unknown_balancer_fails_without_creating_it(server, make_lb, r):
@@ -210,8 +277,16 @@ def test_servers_add_creates_a_balancer_with_the_given_sticky_ttl(server, r):
     assert invariants.check(r, "new") == {"a": 0}
 
 
+def test_servers_add_pins_no_sticky_ttl_unless_given(server, r):
+    proc = run_cli("--name", "new", "servers", "add", "a", redis=server.url)
+    assert proc.returncode == 0, proc.stderr
+    assert r.hget("rr:{new}:config", "sticky_ttl_ms") is None  # the first worker pins its own
+    assert invariants.check(r, "new") == {"a": 0}
+
+
 def test_servers_add_keeps_the_pinned_sticky_ttl_of_a_live_balancer(server, make_lb, r):
     lb = make_lb(SERVERS, sticky_ttl=45)
+    lb.acquire_server("a")  # the first acquire pins sticky_ttl
     proc = run_cli(
         "--name", lb.name, "servers", "add", "s9", "--sticky-ttl", "30", redis=server.url
     )
@@ -273,11 +348,20 @@ def test_sessions_clear_forgets_sticky_sessions(server, make_lb):
     assert not lb.acquire("chat-0").sticky  # balanced anew
 
 
-def test_reap_reclaims_expired_leases(server, make_lb, r):
-    lb = make_lb(SERVERS, lease_ttl=0.5)
-    for i in range(3):
-        lb.acquire(f"dead-{i}")  # never released: their holder "died"
-    time.sleep(0.7)
+DIES_HOLDING = """
+import os, sys
+from redis_router import RedisLoadBalancer
+lb = RedisLoadBalancer(redis=sys.argv[1], name=sys.argv[2], lease_ttl=0.5)
+for i in range(3):
+    lb.acquire(f"dead-{i}")
+os._exit(0)  # dies holding its leases, without releasing or closing
+"""
+
+
+def test_reap_reclaims_the_leases_of_a_dead_worker(server, make_lb, r):
+    lb = make_lb(SERVERS)
+    subprocess.run([sys.executable, "-c", DIES_HOLDING, server.url, lb.name], check=True)
+    time.sleep(0.8)  # past its lease_ttl
     assert lb.get_total_inflight() == 3
     proc = run_cli("--name", lb.name, "reap", redis=server.url)
     assert proc.returncode == 0, proc.stderr

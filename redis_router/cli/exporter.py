@@ -6,15 +6,17 @@ never staler than the scrape and an idle exporter costs Redis nothing). Per repl
 
     redis_router_inflight                 gauge    requests in flight (leases counted)
     redis_router_draining                 gauge    1 while the replica takes no new sessions
-    redis_router_live_leases              gauge    unexpired leases (below inflight: reap due)
+    redis_router_live_leases              gauge    leases held on the replica
     redis_router_sticky_sessions          gauge    live sticky sessions pinned to the replica
     redis_router_acquires_total           counter  requests routed to the replica
     redis_router_sticky_hits_total        counter  of which, later turns of a sticky session
     redis_router_reclaimed_leases_total   counter  expired leases reclaimed (holders died)
 
 and per balancer ``redis_router_up`` (1 if Redis answered this scrape) and
-``redis_router_replicas``. Counters restart at 0 when a replica is removed and re-added, which
-Prometheus's rate() treats as a counter reset.
+``redis_router_replicas`` (and, where the status reports worker processes,
+``redis_router_holders`` by ``state`` live|dead and ``redis_router_leases_awaiting_reclaim``).
+A scrape only reads: it never writes to Redis. Counters restart at 0 when a replica is removed
+and re-added, which Prometheus's rate() treats as a counter reset.
 """
 
 from __future__ import annotations
@@ -28,24 +30,22 @@ from typing import Any
 
 from redis import exceptions as rx
 
-from . import validation
-from ._cli_common import CliError, natural_key, pinned_sticky_ttl, unreachable, url_of
-from .balancer import RedisLoadBalancer
-from .connection import connect, redact
-from .errors import ConfigMismatch, RedisUnavailable
+from ..connection import connect, redact
+from ..errors import RedisUnavailable
+from .common import Balancer, CliError, natural_key, unreachable, url_of
 
 DEFAULT_PORT = 9464
 
 GAUGES = (
     ("inflight", "inflight", "Requests in flight on the replica (one per lease)."),
     ("draining", "draining", "1 while the replica is draining: no new sessions, sticky ones only."),
-    ("live_leases", "live_leases", "Unexpired leases on the replica."),
+    ("live_leases", "live_leases", "Leases held on the replica."),
     ("sticky_sessions", "sticky_sessions", "Live sticky sessions pinned to the replica."),
 )
 COUNTERS = (
     ("acquires", "acquires", "Requests routed to the replica."),
     ("sticky_hits", "sticky_hits", "Requests routed to the replica by their sticky session."),
-    ("reclaimed_leases", "reclaimed", "Expired leases on the replica reclaimed by the balancer."),
+    ("reclaimed_leases", "reclaimed", "Leases on the replica reclaimed from dead holders."),
 )
 
 
@@ -67,26 +67,13 @@ class BalancerCollector:
     """Reads the balancer's status on each collect(); Redis errors become redis_router_up 0."""
 
     def __init__(self, url: str, name: str) -> None:
-        self.url, self.name = url, validation.name(name)
-        self._client = connect(url)
-        self._lb: RedisLoadBalancer | None = None
-        self._ttl: float | None = None
+        self.url = url
+        self._balancer = Balancer(connect(url), name, url)
+        self.name = self._balancer.name
 
     def status(self) -> dict[str, Any] | None:
-        """The balancer's status, None if it does not exist (yet).
-
-        The balancer object is rebuilt when the pinned sticky_ttl changes (the balancer was
-        destroyed and recreated), since status counts sessions in sticky_ttl-sized buckets."""
-        ttl = pinned_sticky_ttl(self._client, self.name)
-        if ttl is None:
-            return None
-        if self._lb is None or ttl != self._ttl:
-            try:
-                self._lb = RedisLoadBalancer(redis=self._client, name=self.name, sticky_ttl=ttl)
-            except ConfigMismatch:
-                return None  # recreated between our read and the construction: next scrape
-            self._ttl = ttl
-        return self._lb.get_status()
+        """The balancer's status, None if it does not exist (yet)."""
+        return self._balancer.status() if self._balancer.exists() else None
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -110,6 +97,7 @@ class BalancerCollector:
         )
         count.add_metric([self.name], len(replicas))
         yield count
+        yield from _holders(self.name, (status or {}).get("holders"))
         labels = ["balancer", "replica"]
         for metric, field, text in GAUGES:
             g = GaugeMetricFamily(f"redis_router_{metric}", text, labels=labels)
@@ -123,7 +111,28 @@ class BalancerCollector:
             yield c
 
     def close(self) -> None:
-        self._client.close()
+        self._balancer.client.close()
+
+
+def _holders(name: str, holders: dict[str, int] | None) -> Iterator[Any]:
+    """Worker processes (balancer instances) by liveness, and the leases dead ones left."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    if holders is None:
+        return
+    g = GaugeMetricFamily(
+        "redis_router_holders", "Worker processes holding leases.", labels=["balancer", "state"]
+    )
+    for state in ("live", "dead"):
+        g.add_metric([name, state], holders.get(state, 0))
+    yield g
+    waiting = GaugeMetricFamily(
+        "redis_router_leases_awaiting_reclaim",
+        "Leases of dead worker processes not yet reclaimed.",
+        labels=["balancer"],
+    )
+    waiting.add_metric([name], holders.get("awaiting_reclaim", 0))
+    yield waiting
 
 
 def run(args: argparse.Namespace) -> int:
@@ -150,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
         collector.close()
         raise CliError(f"cannot listen on {args.addr}:{args.port}: {exc.strerror or exc}") from None
     host = server.server_address[0]
+    host = host.decode() if isinstance(host, bytes) else str(host)
     print(
         f"serving metrics of balancer {collector.name!r} at {redact(url)} on "
         f"http://{host}:{server.server_port}/metrics",

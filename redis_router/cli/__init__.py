@@ -1,7 +1,8 @@
 """`redis-router`: see and steer a balancer without writing Python.
 
-Each subcommand is a module with ``add_arguments(parser)`` and ``run(args) -> int``, listed
-in :data:`COMMANDS` and imported only when chosen, so ``redis-router --help`` stays fast and
+Each subcommand has ``add_arguments(parser)`` and ``run(args) -> int``, at the top level of its
+module or in a :class:`~redis_router.cli.common.Handlers` named in :data:`COMMANDS`
+(``"module:name"``). Only the chosen one is imported, so ``redis-router --help`` stays fast and
 a missing optional extra (matplotlib, prometheus_client) only affects its own command.
 """
 
@@ -11,28 +12,34 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from redis import exceptions as rx
 
-from ._cli_common import CliError, one_line, unreachable, url_of
-from .connection import DEFAULT_URL, redact
-from .errors import RedisRouterError, RedisUnavailable
+from ..connection import DEFAULT_URL, redact
+from ..errors import RedisRouterError, RedisUnavailable
+from .common import CliError, one_line, unreachable, url_of
 
 
 class Command(NamedTuple):
-    module: str
+    target: str  # "module" or "module:name"
     help: str
 
+    def load(self) -> Any:
+        """The module (or its named object) with add_arguments and run."""
+        module, _, name = self.target.partition(":")
+        loaded = importlib.import_module(module)
+        return getattr(loaded, name) if name else loaded
 
-# Adding a subcommand is one entry here plus its module.
+
+# Adding a subcommand is one entry here plus its code. status and exporter only read.
 COMMANDS: dict[str, Command] = {
-    "status": Command("redis_router._cli_status", "show replicas, load, sessions and draining"),
-    "servers": Command("redis_router._cli_servers", "add, remove, drain or undrain replicas"),
-    "sessions": Command("redis_router._cli_sessions", "manage sticky sessions"),
-    "reap": Command("redis_router._cli_reap", "reclaim expired leases now"),
+    "status": Command("redis_router.cli.status", "show replicas, load, sessions and draining"),
+    "servers": Command("redis_router.cli.pool:servers", "add, remove, drain or undrain replicas"),
+    "sessions": Command("redis_router.cli.pool:sessions", "manage sticky sessions"),
+    "reap": Command("redis_router.cli.pool:reap", "reclaim the leases of dead workers now"),
     "demo": Command("redis_router.demo", "run simulated agent sessions, old vs new tie-break"),
-    "exporter": Command("redis_router.exporter", "serve Prometheus metrics over HTTP"),
+    "exporter": Command("redis_router.cli.exporter", "serve Prometheus metrics over HTTP"),
     "simulate": Command(
         "redis_router.simulate", "compare routers on simulated replicas with KV caches"
     ),
@@ -83,9 +90,9 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=cmd.help, description=cmd.help[0].upper() + cmd.help[1:])
         _add_globals(p, suppress=True)
         if name == chosen:
-            module = importlib.import_module(cmd.module)
-            module.add_arguments(p)
-            p.set_defaults(_run=module.run)
+            handlers = cmd.load()
+            handlers.add_arguments(p)
+            p.set_defaults(_run=handlers.run)
     return parser
 
 
@@ -124,7 +131,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(str(unreachable(url, exc)), secret)
     except (RedisRouterError, rx.RedisError, ValueError, TypeError, OSError) as exc:
         return _fail(redact(str(exc)), secret)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

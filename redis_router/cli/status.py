@@ -9,8 +9,8 @@ import sys
 import time
 from typing import Any
 
-from ._cli_common import open_balancer, snapshot
-from .errors import RedisUnavailable
+from ..errors import RedisUnavailable
+from .common import Balancer, open_balancer, snapshot
 
 COLUMNS = (
     ("REPLICA", None),
@@ -30,8 +30,9 @@ CLEAR = "\033[H\033[2J"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
         "States: active (takes new sessions), draining (serves only its sticky sessions), "
-        "drained (draining with nothing in flight: safe to remove). LEASES counts unexpired "
-        "leases; IN-FLIGHT above LEASES means expired leases await `redis-router reap`."
+        "drained (draining with nothing in flight: safe to remove). Leases of worker processes "
+        "that died await reclaim: acquires and heartbeats take a few each, `redis-router reap` "
+        "takes the rest. Reads only: nothing in Redis changes."
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
     parser.add_argument(
@@ -61,7 +62,9 @@ def _cli(snap: dict[str, Any]) -> str:
 
 def render(snap: dict[str, Any], *, clock: str | None = None) -> str:
     """The status table, its totals row and hints on what to do next."""
-    head = f"balancer {snap['balancer']!r} at {snap['redis']} · sticky_ttl {snap['sticky_ttl']:g}s"
+    ttl = snap["sticky_ttl"]
+    pinned = "sticky_ttl not pinned yet" if ttl is None else f"sticky_ttl {ttl:g}s"
+    head = f"balancer {snap['balancer']!r} at {snap['redis']} · {pinned}"
     lines = [head + (f" · {clock}" if clock else "")]
     rows = [[title for title, _ in COLUMNS]]
     for sid, r in snap["replicas"].items():
@@ -91,8 +94,13 @@ def hints(snap: dict[str, Any]) -> list[str]:
     if drained:
         ids = " ".join(shlex.quote(s) for s in drained)
         out.append(f"safe to remove (drained, nothing in flight): `{cli} servers remove {ids}`")
-    expired = t["inflight"] - t["live_leases"]
-    if expired > 0:
+    holders = snap.get("holders")
+    if holders is not None:
+        waiting, dead = holders.get("awaiting_reclaim", 0), holders.get("dead", 0)
+        if waiting > 0:
+            out.append(f"{waiting} lease(s) of {dead} dead process(es) await reclaim: `{cli} reap`")
+    elif t["inflight"] > t["live_leases"]:
+        expired = t["inflight"] - t["live_leases"]
         out.append(f"{expired} expired lease(s) still counted in flight: `{cli} reap`")
     return out
 
@@ -100,15 +108,15 @@ def hints(snap: dict[str, Any]) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if not args.interval > 0:
         raise ValueError(f"--interval must be > 0 seconds, got {args.interval:g}")
-    with open_balancer(args) as lb:
+    with open_balancer(args) as balancer:
         if not args.watch:
-            snap = snapshot(lb)
+            snap = snapshot(balancer)
             print(json.dumps(snap) if args.json else render(snap))
             return 0
-        return _watch(lb, args)
+        return _watch(balancer, args)
 
 
-def _watch(lb: Any, args: argparse.Namespace) -> int:
+def _watch(balancer: Balancer, args: argparse.Namespace) -> int:
     """Redraw until Ctrl-C: in place on a terminal, else one frame (or JSON line) after another.
     A Redis outage is shown in the frame and retried; it does not end the watch."""
     tty = sys.stdout.isatty()
@@ -116,7 +124,7 @@ def _watch(lb: Any, args: argparse.Namespace) -> int:
         while True:
             clock = time.strftime("%H:%M:%S")
             try:
-                snap = snapshot(lb)
+                snap = snapshot(balancer)
                 frame = json.dumps(snap) if args.json else render(snap, clock=clock)
             except RedisUnavailable as exc:
                 frame = json.dumps({"error": str(exc)}) if args.json else f"{clock} {exc}"

@@ -1,0 +1,139 @@
+"""`redis-router servers|sessions|reap`: change the pool and its sessions while workers run.
+
+Scaling a replica down without losing prefix-cache locality: ``servers drain`` it (no new
+sessions, its sticky sessions keep going there), wait until ``status`` shows it drained,
+``servers remove`` it. ``sessions clear`` forgets every sticky session; ``reap`` reclaims the
+leases of worker processes that died (acquires and heartbeats take a few each; this takes the
+rest at once, e.g. after a mass crash on an otherwise idle pool).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from .common import Balancer, CliError, Handlers, config_key, open_balancer
+
+
+def _servers_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    add = actions.add_parser(
+        "add",
+        help="register a replica (or update its metadata); it takes new sessions at once",
+        description="Register a replica. An existing one keeps its load, leases and draining "
+        "state; only its metadata is replaced.",
+    )
+    add.add_argument("id", metavar="ID", help="replica id, e.g. vllm-3")
+    add.add_argument(
+        "--meta",
+        metavar="JSON",
+        default="null",
+        help='JSON metadata returned to workers as the handle, e.g. \'{"url": "http://..."}\'',
+    )
+    add.add_argument(
+        "--sticky-ttl",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="pin this sticky_ttl if the balancer has none pinned yet (default: pin nothing; "
+        "the first worker to acquire pins its own); a pinned one is kept",
+    )
+    for action, text in (
+        ("remove", "take replicas out now; their in-flight requests' leases go with them"),
+        ("drain", "send no new sessions to replicas; their sticky sessions still go there"),
+        ("undrain", "let draining replicas take new sessions again"),
+    ):
+        p = actions.add_parser(action, help=text, description=text[0].upper() + text[1:] + ".")
+        p.add_argument("ids", metavar="ID", nargs="+", help="replica id(s)")
+
+
+def _servers(args: argparse.Namespace) -> int:
+    if args.action == "add":
+        return _add(args)
+    with open_balancer(args) as b:
+        states = {sid: r["draining"] for sid, r in b.status()["replicas"].items()}
+        unknown = [sid for sid in args.ids if sid not in states]
+        if unknown:
+            raise CliError(
+                f"balancer {b.name!r} has no replica {', '.join(map(repr, unknown))} "
+                f"(replicas: {', '.join(sorted(states)) or 'none'}); nothing was changed"
+            )
+        ids = list(dict.fromkeys(args.ids))
+        core = b.core()
+        if args.action == "remove":
+            n = b.run(core.remove_servers(ids))
+            print(f"removed {n} replica(s) from balancer {b.name!r}: {' '.join(ids)}")
+        elif args.action == "drain":
+            n = b.run(core.set_draining(ids, True))
+            print(
+                f"draining {' '.join(ids)} ({n} changed): no new sessions, sticky sessions "
+                "still served; remove once `redis-router status` shows drained"
+            )
+        else:
+            n = b.run(core.set_draining(ids, False))
+            print(f"undrained {' '.join(ids)} ({n} changed): new sessions go there again")
+    return 0
+
+
+def _add(args: argparse.Namespace) -> int:
+    meta = _parse_meta(args.meta)
+    with open_balancer(args, create=True) as b:
+        new = b.run(b.core().add_servers({args.id: meta}))
+        if args.sticky_ttl is not None:
+            _pin_sticky_ttl(b, args.sticky_ttl)
+        draining = b.status()["replicas"][args.id]["draining"]
+    what = "added replica" if new else "updated the metadata of replica"
+    note = " (still draining: `servers undrain` to take new sessions)" if draining else ""
+    print(f"{what} {args.id!r} to balancer {b.name!r}{note}")
+    return 0
+
+
+def _pin_sticky_ttl(b: Balancer, seconds: float) -> None:
+    """Pin sticky_ttl as a worker's first acquire would (HSETNX: a pinned value stays)."""
+    b.client.hsetnx(config_key(b.name), "sticky_ttl_ms", b.core(seconds).sticky_ms)
+
+
+def _parse_meta(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise CliError(f"--meta is not valid JSON ({exc}): {text[:60]!r}") from None
+
+
+def _sessions_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    actions.add_parser(
+        "clear",
+        help="forget every sticky session; each session's next turn is balanced anew",
+        description="Forget every sticky session (e.g. after replicas lost their KV caches). "
+        "Leases and in-flight counts are untouched.",
+    )
+
+
+def _sessions(args: argparse.Namespace) -> int:
+    with open_balancer(args) as b:
+        core = b.core(b.pinned_sticky_ttl())  # its buckets are where the sessions are
+        before = b.status()["sticky_sessions"]
+        b.run(core.clear_sticky(), core)
+    print(f"cleared {before} sticky session(s) of balancer {b.name!r}")
+    return 0
+
+
+def _reap_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Reclaim now every lease of a worker process that died; each is reclaimed once, with "
+        "its in-flight count."
+    )
+
+
+def _reap(args: argparse.Namespace) -> int:
+    with open_balancer(args) as b:
+        n = b.run(b.core().reap())
+    print(f"reclaimed {n} expired lease(s) of balancer {b.name!r}")
+    return 0
+
+
+servers = Handlers(_servers_arguments, _servers)
+sessions = Handlers(_sessions_arguments, _sessions)
+reap = Handlers(_reap_arguments, _reap)
