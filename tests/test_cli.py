@@ -362,6 +362,8 @@ def test_reap_reclaims_the_leases_of_a_dead_worker(server, make_lb, r):
     lb = make_lb(SERVERS)
     subprocess.run([sys.executable, "-c", DIES_HOLDING, server.url, lb.name], check=True)
     time.sleep(0.8)  # past its lease_ttl
+    status = run_cli("--name", lb.name, "status", redis=server.url).stdout
+    assert "3 lease(s) of 1 dead process(es) await reclaim: `redis-router --name" in status
     assert lb.get_total_inflight() == 3
     proc = run_cli("--name", lb.name, "reap", redis=server.url)
     assert proc.returncode == 0, proc.stderr
