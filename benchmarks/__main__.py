@@ -26,13 +26,15 @@ from redis_router.local_server import (
     first_server_binary,
 )
 
-from . import batch, latency, memory, throughput
+from . import batch, latency, memory, reaping, throughput
 from .harness import Row, Sizes, table
 
-STEPS = ("latency", "batch", "memory", "throughput")
+STEPS = ("latency", "batch", "memory", "throughput", "reaping")
 ROW_IDS = (
     "pair_vs_noop",
     "pair_4096_vs_8",
+    "server_time_pair",
+    "server_time_pair_batched",
     "batch_sync",
     "batch_async",
     "memory_sticky",
@@ -45,6 +47,7 @@ ROW_IDS = (
     "throughput_uncoalesced",
     "throughput_noop_round_trips",
     "watch_retry_rate",
+    "reap_slowest_acquire",
 )
 
 
@@ -103,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                 ),
                 ("memory", lambda: memory.run(client, sizes)),
                 ("throughput", lambda: throughput.run(server.url, sizes, with_ray=with_ray)),
+                ("reaping", lambda: reaping.run(client, sizes)),
             ):
                 if step not in only:
                     continue

@@ -52,6 +52,9 @@ def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
         warm(max(50, sizes.block // 2))
     t_pair, t_noop, ratio = interleaved(pair8, noop, sizes.rounds, sizes.block)
     t_large, t_small, flat = interleaved(pair4096, pair8, sizes.rounds, sizes.block)
+    n = sizes.rounds * sizes.block
+    single = server_time(client, pair8, n) / n
+    batched = server_time(client, batch_loop(small, BATCH), n) / n
     for lb in (small, large):
         lb.destroy()
     return [
@@ -75,4 +78,51 @@ def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
             ratio=flat,
             target=("<=", 1.3),
         ),
+        Row(
+            "server_time_pair",
+            "Redis server time per acquire+release pair (commandstats)",
+            single,
+            "s",
+            note=f"bounds one balancer at ~{1 / single:,.0f} pairs/s",
+        ),
+        Row(
+            "server_time_pair_batched",
+            f"    ... batched, {BATCH} acquires then {BATCH} releases per call",
+            batched,
+            "s",
+            baseline="single",
+            baseline_value=single,
+            ratio=batched / single,
+            note=f"bounds one balancer at ~{1 / batched:,.0f} pairs/s",
+        ),
     ]
+
+
+BATCH = 64
+
+
+def batch_loop(lb: RedisLoadBalancer, k: int) -> Callable[[int], None]:
+    """n pairs as acquire_many / release_many calls of k requests (what coalescing sends)."""
+
+    def run(n: int) -> None:
+        for lo in range(0, n, k):
+            rids = [uuid.uuid4().hex for _ in range(min(k, n - lo))]
+            grants = lb.acquire_many(rids)
+            lb._run(
+                lb._core.release_many(
+                    [(sid, rid, None) for (sid, _), rid in zip(grants, rids, strict=True)]
+                )
+            )
+
+    return run
+
+
+def server_time(client: redis.Redis, work: Callable[[int], None], n: int) -> float:
+    """Seconds Redis spent running scripts (EVALSHA) while ``work(n)`` ran."""
+
+    def spent() -> float:
+        return float(client.info("commandstats").get("cmdstat_evalsha", {}).get("usec", 0))
+
+    before = spent()
+    work(n)
+    return (spent() - before) / 1e6

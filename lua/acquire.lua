@@ -3,8 +3,8 @@
 -- ARGV[1]  lease ttl (ms): the holder's heartbeat deadline moves to now + this
 -- ARGV[2]  sticky bucket width (ms)  ARGV[3]  sticky ttl (ms), checked against the pinned one
 -- ARGV[4]  buckets to search back    ARGV[5]  1 = full_determinism
--- ARGV[6]  reap budget (entries of dead holders examined first)   ARGV[7]  holder
--- ARGV[8..] triples: request id, lease token (client-made, unique), random integer (tie-break)
+-- ARGV[6]  holder (the balancer instance taking the leases; this acquire is its heartbeat)
+-- ARGV[7..] triples: request id, lease token (client-made, unique), random integer (tie-break)
 -- Returns  flat array: per request, server id, its JSON metadata (or false), and
 --          0 = balanced, 1 = sticky hit, 2 = retry of a token already granted (not counted twice).
 -- Error    "NOSERVERS ..." when some request has no replica to go to, "CONFIGMISMATCH <ms>" when

