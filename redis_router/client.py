@@ -1,4 +1,4 @@
-"""Declared fields: send a router only the request data it asked for (seed document 001).
+"""Declared fields: send a router only the request data it asked for.
 
 A caller packs everything it knows about a request (``prompt_ids``, ``sampling_params``...);
 :class:`RouterClient` asks the router once which of those it wants for acquire and for release,
@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from .errors import RouterConfigError
-from .protocol import missing_methods
+from .protocol import CLIENT_METHODS, missing_methods
 
 Fields = tuple[tuple[str, ...], tuple[str, ...]]
 
@@ -33,14 +33,18 @@ class RouterClient:
     also when the task is cancelled (a grant that lands after the cancellation is released
     too). A sync balancer's calls run in a worker thread, so a slow Redis never blocks the
     event loop. :meth:`session_sync` is the blocking form, for sync balancers.
+
+    The balancer needs only the methods the client calls (``require_acquire_fields``,
+    ``require_release_fields``, ``acquire_server``, ``release_server``), as verl's client:
+    a router older than the full protocol works.
     """
 
     def __init__(self, balancer: Any) -> None:
-        missing = missing_methods(balancer)
+        missing = missing_methods(balancer, CLIENT_METHODS)
         if missing:
             raise RouterConfigError(
-                f"RouterClient needs a RequestLoadBalancer; {type(balancer).__name__} lacks "
-                f"{missing}"
+                f"RouterClient needs a router with {list(CLIENT_METHODS)}; "
+                f"{type(balancer).__name__} lacks {missing}"
             )
         self.balancer = balancer
         self._is_async = inspect.iscoroutinefunction(balancer.acquire_server)
@@ -85,7 +89,10 @@ class RouterClient:
         """Route the request, passing only the declared acquire fields that were given."""
         wanted, _ = await self.fields()
         picked = {k: fields[k] for k in wanted if k in fields}
-        return await call(self.balancer.acquire_server, request_id=request_id, **picked)
+        server_id, handle = await call(
+            self.balancer.acquire_server, request_id=request_id, **picked
+        )
+        return server_id, handle
 
     async def release(self, server_id: str, request_id: str, **fields: Any) -> None:
         """End the request, passing only the declared release fields (``request_id``
@@ -133,7 +140,9 @@ class RouterClient:
             if k in pool and (self._release_accepts is None or k in self._release_accepts)
         }
 
-    def _release_late(self, task: asyncio.Future[Any], request_id: str, fields: dict) -> None:
+    def _release_late(
+        self, task: asyncio.Future[Any], request_id: str, fields: dict[str, Any]
+    ) -> None:
         if task.cancelled() or task.exception() is not None:
             return
         server_id, _ = task.result()

@@ -1,9 +1,23 @@
 """Choose and build a router: an explicit class, a YAML config, or the default balancer.
 
-Priority (seed document 001): ``load_balancer_cls`` if given, else the class named by the YAML
-file at ``router_config_path``, else :class:`~redis_router.RedisLoadBalancer`. The result is a
-local object in this process (no actor): every process that loads the same config with the
-same Redis and balancer name shares one balancer.
+Priority, as in verl's ``get_router_handle``: ``load_balancer_cls`` if given, else the class
+named by the YAML file at ``router_config_path``, else :class:`~redis_router.RedisLoadBalancer`.
+The result is a local object in this process (no actor): every process that loads the same
+config with the same Redis and balancer name shares one balancer.
+
+How each is constructed (verl 0.9.1's conventions, so a router written for verl loads here):
+
+- an explicit class: ``cls(servers=..., **options)``; ``full_determinism`` is passed only to
+  the default balancer (:class:`~redis_router.RedisLoadBalancer` or its asyncio twin), since
+  a custom class takes over routing, as verl does for its own balancer. verl also passes its
+  LRU size, ``max_cache_size``, which redis-router's balancers have no use for: not passed.
+- a YAML router: ``cls(servers, router_kwargs)``, positionally, where ``router_kwargs`` is the
+  file's keys other than ``router_class`` (verl leaves ``router_class`` in; redis-router's
+  balancers refuse keys they do not know, so it is taken out here). ``**options`` override a
+  key the file also sets (a shipped config reused under another balancer name, say), and
+  ``full_determinism=True`` sets ``full_determinism: true`` (verl itself never passes it to a
+  plugin: write it in the file). A class whose ``router_kwargs`` is keyword-only, as
+  redis-router's balancers, gets it by keyword.
 
 Trust model: a router config names code (``router_class``) that this function imports and
 runs with the caller's privileges, exactly like ``import``. Load only config files you would
@@ -11,20 +25,14 @@ execute as code: from your repository or an installed package, never from a requ
 dataset or a shared writable directory. The loader reads no path it was not given (a relative
 path is resolved against the working directory) and runs no code beyond importing the named
 module and constructing the class.
-
-How the call's arguments reach a YAML-configured router: the YAML's keys other than
-``router_class`` become ``router_kwargs``; ``**options`` are merged into them and override a
-key the file also sets (the call is the more specific setting: a shipped config reused under
-another balancer name, say); ``full_determinism=True`` (verl's rollout-wide flag) sets
-``full_determinism: true``, while False, the default, leaves the file's value alone. The router
-rejects keys it does not know, so a typo fails loudly.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import importlib.util
+import inspect
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -48,17 +56,24 @@ def get_router_handle(
 ) -> Any:
     """Build the router for ``servers`` ({server id: handle or metadata}).
 
-    ``load_balancer_cls`` is constructed as ``cls(servers=..., full_determinism=...,
-    **options)``, like the default; a YAML router as ``cls(servers=..., router_kwargs=...)``
-    (see the module docstring). Every failure to find or build a router raises
-    :class:`~redis_router.RouterConfigError`.
+    See the module docstring for how each kind of router is constructed. Every failure to
+    find or build a router raises :class:`~redis_router.RouterConfigError`.
     """
+    from .aio import AsyncRedisLoadBalancer
+    from .balancer import RedisLoadBalancer
+
     if load_balancer_cls is not None:
         where = f"load_balancer_cls {_qualname(load_balancer_cls)}"
         _check_protocol(load_balancer_cls, where)
-        return _construct(
-            load_balancer_cls, where, servers=servers, full_determinism=full_determinism, **options
-        )
+        if load_balancer_cls in (RedisLoadBalancer, AsyncRedisLoadBalancer):
+            options = {**options, "full_determinism": full_determinism}
+        elif full_determinism:
+            warnings.warn(
+                f"full_determinism=True is not passed to {where}: a custom class decides its "
+                "own routing (as in verl); give the class its own setting",
+                stacklevel=2,
+            )
+        return _construct(load_balancer_cls, where, servers=servers, **options)
     if router_config_path is not None and str(router_config_path) != "":
         path = resolve_config_path(router_config_path)
         config = load_router_config(path)
@@ -74,9 +89,9 @@ def get_router_handle(
         where = f"router_class {spec!r} in {path}"
         _check_protocol(cls, where)
         router_kwargs = _merge(config, options, full_determinism)
-        return _construct(cls, where, servers=servers, router_kwargs=router_kwargs)
-    from .balancer import RedisLoadBalancer
-
+        if _takes_second_positional(cls):
+            return _construct(cls, where, servers, router_kwargs)
+        return _construct(cls, where, servers, router_kwargs=router_kwargs)
     return _construct(
         RedisLoadBalancer,
         "the default RedisLoadBalancer",
@@ -99,18 +114,25 @@ def resolve_config_path(path: str | Path) -> Path:
             f"router config {text!r}: expected pkg://<package>/<file>, e.g. "
             "pkg://redis_router.plugins/least_tokens.yaml"
         )
+    # The package is imported, not only found: its __init__ may extend its search path (as
+    # redis_router.plugins does in a source checkout).
     try:
-        spec = importlib.util.find_spec(package)
-    except (ImportError, ValueError) as exc:
+        module = importlib.import_module(package)
+    except ModuleNotFoundError as exc:
         raise RouterConfigError(
-            f"router config {text!r}: cannot import {package!r}: {exc}"
+            f"router config {text!r}: {package!r} is not an installed package ({exc}); install "
+            "it or give a file path"
         ) from None
-    if spec is None or not spec.submodule_search_locations:
+    except Exception as exc:
         raise RouterConfigError(
-            f"router config {text!r}: {package!r} is not an installed package; install it or "
-            "give a file path"
+            f"router config {text!r}: cannot import {package!r}: {exc!r}"
+        ) from None
+    locations = list(getattr(module, "__path__", None) or ())
+    if not locations:
+        raise RouterConfigError(
+            f"router config {text!r}: {package!r} is a module, not a package; give a file path"
         )
-    candidates = [Path(d) / rel for d in spec.submodule_search_locations]
+    candidates = [Path(d) / rel for d in locations]
     return next((p for p in candidates if p.is_file()), candidates[0])
 
 
@@ -232,12 +254,23 @@ def _merge(
     return merged
 
 
-def _construct(cls: type, where: str, **kwargs: Any) -> Any:
+def _takes_second_positional(cls: type) -> bool:
+    """Whether ``cls(servers, router_kwargs)`` can pass the config positionally, as verl
+    does; redis-router's balancers take it by keyword only."""
+    try:
+        params = list(inspect.signature(cls).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def _construct(cls: type, where: str, *args: Any, **kwargs: Any) -> Any:
     """Build the router; argument errors (unknown or mistyped options) become
     RouterConfigError naming the class, library errors (Redis down, settings pinned in Redis)
     pass through unchanged."""
     try:
-        return cls(**kwargs)
+        return cls(*args, **kwargs)
     except RedisRouterError:
         raise
     except (TypeError, ValueError) as exc:

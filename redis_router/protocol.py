@@ -1,7 +1,7 @@
 """The router interface: what every balancer and router plugin implements.
 
-Structural typing (``typing.Protocol``), as in verl's ``router.py``: a plugin needs no base
-class and no import from this library, only these ten methods. ``isinstance`` checks that
+Structural typing (``typing.Protocol``), as in verl's ``router.py`` (0.9.1): a plugin needs no
+base class and no import from this library, only these ten methods. ``isinstance`` checks that
 they exist (runtime-checkable protocols cannot check signatures).
 
 An asyncio implementation (:class:`~redis_router.AsyncRedisLoadBalancer`) satisfies
@@ -29,15 +29,28 @@ METHODS = (
 )
 """The method names of the protocol, for error messages that list what a class lacks."""
 
+CLIENT_METHODS = (
+    "require_acquire_fields",
+    "require_release_fields",
+    "acquire_server",
+    "release_server",
+)
+"""The methods a client that routes requests calls (verl's ``LLMServerClient``,
+:class:`~redis_router.RouterClient`); a router older than the protocol may have only these."""
+
 
 @runtime_checkable
 class RequestLoadBalancer(Protocol):
-    """A load balancer for inference replicas (seed document 001).
+    """A load balancer for inference replicas.
 
     ``acquire_server`` routes and counts a request in one atomic call and returns
     ``(server_id, handle)``; ``release_server`` ends it. Routers that need request data
     (``prompt_ids`` for a cache- or token-aware router) declare the names in
-    ``require_acquire_fields`` / ``require_release_fields``; clients send only those.
+    ``require_acquire_fields`` / ``require_release_fields``; clients send only those (a router
+    that declares ``request_id`` for release gets it, so a release can end exactly that
+    request's lease). ``clear_sticky_cache`` returns verl's rebalance report,
+    ``{"cleared_entries": int, "server_loads": {server_id: in-flight}}``, which verl's
+    fully-async rollouter reads after forgetting every session.
     """
 
     def require_acquire_fields(self) -> list[str]: ...
@@ -58,7 +71,7 @@ class RequestLoadBalancer(Protocol):
 
     def get_status(self) -> dict[str, Any]: ...
 
-    def clear_sticky_cache(self) -> Any: ...
+    def clear_sticky_cache(self) -> dict[str, Any]: ...
 
     def get_total_inflight(self) -> int: ...
 
@@ -86,11 +99,12 @@ class AsyncRequestLoadBalancer(Protocol):
 
     async def get_status(self) -> dict[str, Any]: ...
 
-    async def clear_sticky_cache(self) -> Any: ...
+    async def clear_sticky_cache(self) -> dict[str, Any]: ...
 
     async def get_total_inflight(self) -> int: ...
 
 
-def missing_methods(obj: object) -> list[str]:
-    """The protocol methods ``obj`` (a class or an instance) lacks or has as non-callables."""
-    return [m for m in METHODS if not callable(getattr(obj, m, None))]
+def missing_methods(obj: object, methods: tuple[str, ...] = METHODS) -> list[str]:
+    """The ``methods`` (default: the whole protocol) that ``obj`` (a class or an instance)
+    lacks or has as non-callables."""
+    return [m for m in methods if not callable(getattr(obj, m, None))]

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_router.plugins.least_tokens import LeastTokensRouter
 
 from redis_router import (
     AsyncRedisLoadBalancer,
@@ -16,6 +15,7 @@ from redis_router import (
     RouterConfigError,
     get_router_handle,
 )
+from redis_router.plugins.least_tokens import LeastTokensRouter
 
 SERVERS = {"s0": "http://10.0.0.0:8000", "s1": "http://10.0.0.1:8000"}
 
@@ -55,13 +55,39 @@ def test_explicit_class_wins_over_the_config(server, tmp_path):
     path = write(tmp_path, "router_class: redis_router.RedisLoadBalancer\n")
     lb = get_router_handle(SERVERS, path, load_balancer_cls=Recorder, redis=server.url, name="x")
     assert type(lb) is Recorder
-    assert lb.called_with == {
-        "servers": SERVERS,
-        "full_determinism": False,
-        "redis": server.url,
-        "name": "x",
-    }
+    assert lb.called_with == {"servers": SERVERS, "redis": server.url, "name": "x"}
     lb.close()
+
+
+class OnlyServers(Recorder):
+    """A router built the way verl builds an explicit class: servers, nothing else."""
+
+    def __init__(self, servers: Any) -> None:
+        self.got = servers
+
+
+def test_explicit_class_gets_servers_and_full_determinism_only_if_it_is_the_default(server):
+    assert get_router_handle(SERVERS, load_balancer_cls=OnlyServers).got == SERVERS
+    with pytest.warns(UserWarning, match="full_determinism=True is not passed to"):
+        assert get_router_handle(SERVERS, load_balancer_cls=OnlyServers, full_determinism=True)
+    for cls in (RedisLoadBalancer, AsyncRedisLoadBalancer):
+        lb = get_router_handle(
+            SERVERS, load_balancer_cls=cls, full_determinism=True, redis=server.url, name="d"
+        )
+        assert type(lb) is cls and lb._core.full_determinism is True
+
+
+class VerlStylePlugin(Recorder):
+    """A plugin written for verl: the config is the second positional parameter, whatever
+    its name."""
+
+    def __init__(self, servers: Any, config: dict[str, Any]) -> None:
+        self.got = servers, config
+
+
+def test_yaml_router_gets_the_config_positionally_when_it_can(tmp_path):
+    path = write(tmp_path, "router_class: tests.test_loader.VerlStylePlugin\nname: n\nk: 1\n")
+    assert get_router_handle(SERVERS, path).got == (SERVERS, {"name": "n", "k": 1})
 
 
 def test_yaml_router_gets_servers_and_the_rest_of_the_yaml_as_router_kwargs(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 from pathlib import Path
 
@@ -14,15 +15,40 @@ from redis_router import (
     RequestLoadBalancer,
     VerlRouter,
 )
-from redis_router.protocol import METHODS, missing_methods
+from redis_router.protocol import CLIENT_METHODS, METHODS, missing_methods
 
 PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
 
 
-def test_protocol_has_the_ten_methods_of_the_seed():
+def test_protocol_has_verls_ten_methods():
     assert len(METHODS) == 10
     for name in METHODS:
         assert callable(getattr(RequestLoadBalancer, name))
+    assert set(CLIENT_METHODS) < set(METHODS)
+
+
+def test_clear_sticky_cache_returns_verls_report_on_both_balancers(server):
+    """verl's fully-async rollouter reads result["cleared_entries"], result["server_loads"]."""
+    servers = {"s0": None, "s1": None}
+    sync = RedisLoadBalancer(servers, redis=server.url, name="report")
+    placed = sync.acquire_server("a")[0]
+    sync.release_server(placed, "a")
+    held = sync.acquire_server("b")[0]  # still in flight
+    assert sync.clear_sticky_cache() == {
+        "cleared_entries": 2,
+        "server_loads": {sid: int(sid == held) for sid in servers},
+    }
+    assert sync.clear_sticky_cache()["cleared_entries"] == 0
+
+    async def main() -> None:
+        lb = AsyncRedisLoadBalancer(redis=server.url, name="report")
+        await lb.acquire_server("c")
+        report = await lb.clear_sticky_cache()
+        assert report["cleared_entries"] == 1 and sum(report["server_loads"].values()) == 2
+        await lb.close()
+
+    asyncio.run(main())
+    sync.close()
 
 
 @pytest.mark.parametrize("cls", [RedisLoadBalancer, AsyncRedisLoadBalancer, VerlRouter])

@@ -6,9 +6,9 @@ import asyncio
 from typing import Any
 
 import pytest
-from redis_router.plugins.least_tokens import LeastTokensRouter
 
 from redis_router import AsyncRedisLoadBalancer, RouterClient, RouterConfigError
+from redis_router.plugins.least_tokens import LeastTokensRouter
 
 from . import invariants
 
@@ -218,6 +218,47 @@ def test_release_runs_when_the_body_raises_or_is_cancelled():
 def test_not_a_balancer_is_refused():
     with pytest.raises(RouterConfigError, match="release_server"):
         RouterClient(object())
+
+
+class PreProtocol:
+    """A router older than the protocol: the four methods a client calls, nothing more."""
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+
+    def require_acquire_fields(self) -> list[str]:
+        return []
+
+    def require_release_fields(self) -> list[str]:
+        return []
+
+    def acquire_server(self, request_id: str) -> tuple[str, Any]:
+        return "s0", "handle-0"
+
+    def release_server(self, server_id: str) -> None:
+        self.released.append(server_id)
+
+
+def test_a_router_needs_only_the_methods_the_client_calls():
+    router = PreProtocol()
+    client = RouterClient(router)
+    with client.session_sync("r1") as (sid, handle):
+        assert (sid, handle) == ("s0", "handle-0")
+
+    async def main() -> None:
+        async with client.session("r2"):
+            pass
+
+    run(main())
+    assert router.released == ["s0", "s0"]
+    with pytest.raises(RouterConfigError, match=r"lacks \['release_server'\]"):
+        RouterClient(
+            type(
+                "NoRelease",
+                (),
+                {k: v for k, v in vars(PreProtocol).items() if k != "release_server"},
+            )()
+        )
 
 
 # -- against a real server --------------------------------------------------------------------
