@@ -11,9 +11,13 @@
 --          another sticky ttl is pinned; nothing is written then.
 -- Keeps    I1 (count +1 with lease), I3 (sticky first while in pool), I4 (least loaded, client
 --          entropy), I5 (rendezvous), I6 (only pool members chosen), I7 (keys from KEYS[1]).
---          The procedure itself is acquire_all in lib.lua, shared with router plugins.
+--          The procedure itself is acquire_all in lib/acquiring.lua, shared with every
+--          routing policy's script; this one is the default policy, least loaded.
+-- Uses     lib/base, lib/leases, lib/picking, lib/acquiring
 local deterministic = ARGV[5] == '1'
-return acquire_all(3, function(i)
-  if deterministic then return rendezvous(ARGV[i]) end
-  return least_loaded(tonumber(ARGV[i + 2]))
-end)
+return acquire_all(3, {
+  choose = function(i)
+    if deterministic then return rendezvous(ARGV[i]) end
+    return least_loaded(tonumber(ARGV[i + 2]))
+  end,
+})

@@ -4,6 +4,7 @@
 -- Returns  how many ids were new to the pool (they start at 0 in `load` and `weighted`).
 -- Keeps    I1 (an existing replica keeps its count and leases, a new one starts at 0), and its
 --          draining state, if any.
+-- Uses     lib/base
 local added = 0
 for i = 1, #ARGV, 2 do
   redis.call('HSET', P .. 'servers', ARGV[i], ARGV[i + 1])

@@ -4,6 +4,7 @@
 -- Returns  { sticky entries forgotten, flat array: server id, in-flight, ... for the pool }
 --          (what verl's rebalancing reads: how many sessions were unpinned, and the load).
 -- Keeps    I1 (leases and counts untouched).
+-- Uses     lib/base
 local width, span = tonumber(ARGV[1]), tonumber(ARGV[2])
 local cur = math.floor(now_ms() / width)
 local n = 0

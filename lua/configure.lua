@@ -4,4 +4,5 @@
 -- KEYS[1]  key prefix "rr:{NAME}:"
 -- Returns  the pinned sticky ttl (ms), or false when none is pinned yet.
 -- Keeps    read only.
+-- Uses     lib/base
 return redis.call('HGET', P .. 'config', 'sticky_ttl_ms')

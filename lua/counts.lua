@@ -3,6 +3,7 @@
 -- ARGV     server ids to read; none = every replica in the pool
 -- Returns  flat array: server id, in-flight, ... for the ids that are in the pool.
 -- Keeps    read only.
+-- Uses     lib/base
 local out = {}
 if #ARGV == 0 then
   for _, zs in ipairs({ 'load', 'draining' }) do

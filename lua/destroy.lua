@@ -3,6 +3,7 @@
 -- ARGV[1]  sticky bucket width (ms)    ARGV[2]  buckets to search back
 -- Returns  how many keys were deleted.
 -- Keeps    I7: only keys under this balancer's prefix are touched.
+-- Uses     lib/base
 local width, span = tonumber(ARGV[1]), tonumber(ARGV[2])
 local cur = math.floor(now_ms() / width)
 local n = 0

@@ -3,6 +3,7 @@
 -- ARGV     server ids
 -- Returns  how many replicas changed state (were taking new sessions).
 -- Keeps    I1: the count moves with the replica from `load` to `draining` unchanged.
+-- Uses     lib/base
 local n = 0
 for _, id in ipairs(ARGV) do
   local count = redis.call('ZSCORE', P .. 'load', id)

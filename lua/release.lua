@@ -11,6 +11,7 @@
 -- Keeps    I1 (count -1 with its lease, never below 0), I2, I6. Safe to resend: the
 --          operation id is remembered in P.."ended" (trimmed by heartbeat.lua), so a second
 --          copy reports the first one's result and never ends another lease.
+-- Uses     lib/base, lib/leases
 local now
 local function release(id, req, token, op)
   local rec, toks

@@ -5,6 +5,7 @@
 -- Keeps    I6: no later acquire reaches them (their sticky sessions are re-balanced on their
 --          next turn) and a late release for them finds no lease: a no-op. I1: their leases
 --          and counts go together.
+-- Uses     lib/base, lib/leases
 local removed = 0
 for _, id in ipairs(ARGV) do
   local held = P .. 'held:' .. id

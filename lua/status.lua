@@ -6,6 +6,7 @@
 --            sticky hits, reclaimed, JSON metadata } and holders is { live, dead, leases of
 --          dead holders awaiting reclaim }
 -- Keeps    read only.
+-- Uses     lib/base
 local width, span = tonumber(ARGV[1]), tonumber(ARGV[2])
 local now = now_ms()
 local cur = math.floor(now / width)

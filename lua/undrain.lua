@@ -3,6 +3,7 @@
 -- ARGV     server ids
 -- Returns  how many replicas changed state (were draining).
 -- Keeps    I1: the count moves with the replica from `draining` to `load` unchanged.
+-- Uses     lib/base
 local n = 0
 for _, id in ipairs(ARGV) do
   local count = redis.call('ZSCORE', P .. 'draining', id)

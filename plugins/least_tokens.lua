@@ -1,5 +1,5 @@
 -- least_tokens.lua: route new sessions to the replica with the fewest in-flight prompt tokens.
--- lib.lua is prepended (scripts.load_file): leases, stickiness and reaping are the core's.
+-- The lib/ parts on the Uses line are prepended: leases, stickiness and reaping are the core's.
 -- KEYS[1]  key prefix "rr:{NAME}:"
 -- ARGV[1..HEAD] as acquire.lua (lease ttl, sticky bucket width, sticky ttl, buckets to search
 --          back, 1 = full_determinism, holder)
@@ -7,14 +7,15 @@
 --          an integer >= 0)
 -- Returns  as acquire.lua: per request, server id, JSON metadata, 0 balanced / 1 sticky / 2 retry.
 -- Keeps    I1-I7 as acquire.lua (acquire_all), plus: P.."weighted" holds, per replica, the sum
---          of the weights of its live leases, and P.."weights" the weight of each weighed
---          lease. Every path that ends a lease (release, reap, remove) goes through lib.lua's
---          end_lease, which subtracts the weight, so the sums stay exact.
+--          of the weights of its live leases; each weighed lease carries its weight in its
+--          record, and every path that ends a lease (release, reap, remove, max age) goes
+--          through lib/leases.lua's end_lease, which subtracts it, so the sums stay exact.
 -- Choice   least in-flight tokens among the replicas taking new sessions (in P.."load"; a
 --          draining replica gets only its sticky sessions); ties uniformly at random from the
 --          client's integer (never Lua's RNG, DESIGN.md). O(log N) while no replica drains;
 --          O(N) while one does (the draining ones must be skipped). full_determinism routes by
 --          rendezvous hashing, as the core does (I5).
+-- Uses     lib/base, lib/leases, lib/picking, lib/acquiring
 local deterministic = ARGV[5] == '1'
 local W, L = P .. 'weighted', P .. 'load'
 
@@ -41,13 +42,10 @@ local function least_weighted(rand)
   return ties[rand % #ties + 1]
 end
 
-return acquire_all(4, function(i)
-  if deterministic then return rendezvous(ARGV[i]) end
-  return least_weighted(tonumber(ARGV[i + 2]))
-end, function(i, id, token)
-  local n = tonumber(ARGV[i + 3])
-  if n > 0 then
-    redis.call('HSET', P .. 'weights', token, n)
-    redis.call('ZINCRBY', W, n, id)
-  end
-end)
+return acquire_all(4, {
+  choose = function(i)
+    if deterministic then return rendezvous(ARGV[i]) end
+    return least_weighted(tonumber(ARGV[i + 2]))
+  end,
+  weight = function(i) return tonumber(ARGV[i + 3]) end,
+})

@@ -1,6 +1,6 @@
 -- prefix_cache.lua: route requests to the replica holding the longest prefix of their prompt,
--- and take a lease for each, atomically. Built on lib.lua's acquire_all, so retries, sticky
--- sessions, leases, draining and removal behave exactly as in the core's acquire.lua.
+-- and take a lease for each, atomically. Built on lib/acquiring.lua's acquire_all, so retries,
+-- sticky sessions, leases, draining and removal behave exactly as in the core's acquire.lua.
 -- KEYS[1]  key prefix "rr:{NAME}:" (index keys: see prefix_cache_index.lua)
 -- ARGV[1..HEAD] as acquire.lua (ARGV[5] = 1: full_determinism, rendezvous hashing, no prefix)
 -- ARGV[HEAD + 1..] six per request: request id, lease token, random integer (tie-break), settings,
@@ -24,6 +24,7 @@
 -- Returns  as acquire.lua. Error NOSERVERS as acquire.lua, with nothing written.
 -- Keeps    I1, I3, I6 (via acquire_all; holders outside P.."load" are never chosen), I4 (ties
 --          broken by client entropy, never Lua's RNG), I5 (under full_determinism), I7.
+-- Uses     lib/base, lib/leases, lib/picking, lib/acquiring, prefix_cache_index
 local deterministic = ARGV[5] == '1'
 local now = pc_us -- us, Redis clock (prefix_cache_index.lua)
 local cfg = nil
@@ -143,7 +144,7 @@ local function granted(i, id, token)
   seen[i], ends[i] = nil, nil
 end
 
-local out = acquire_all(6, choose, granted)
+local out = acquire_all(6, { choose = choose, granted = granted })
 if out.err or #ARGV <= HEAD then return out end
 local c = settings(ARGV[HEAD + 4])
 bound_index(now, c.ttl, c.max_blocks, c.budget, total)

@@ -16,7 +16,7 @@ Algorithm (the policy of SGLang's cache-aware router, on an approximate index in
    indexed (every block up to 8, then four per doubling, plus the prompt's own length: 21
    hashes for 4k tokens), so acquire costs O(log n) and a cached prefix is found to within 1/8
    of its length; an identical prompt (a GRPO group) matches in full.
-2. One atomic script (``prefix_cache.lua``, on lib.lua's ``acquire_all``) routes: a retry or a
+2. One atomic script (``prefix_cache.lua``, on the shared ``acquire_all``) routes: a retry or a
    sticky session goes where the core sends it. A new session goes to the least-loaded replica
    (random tie-break with client entropy) when the pool is *imbalanced*: ``max - min >
    balance_abs_threshold`` and ``max > balance_rel_threshold * min``, over the in-flight counts
@@ -66,20 +66,22 @@ import math
 import sys
 from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from functools import cache, lru_cache
+from dataclasses import asdict, dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from redis_router import AsyncLease, AsyncRedisLoadBalancer, Lease, RedisLoadBalancer, validation
-from redis_router.core import BalancerCore, Call, Grant, Op
-from redis_router.scripts import Script, lua_dir
+from redis_router import AsyncRedisLoadBalancer, RedisLoadBalancer, validation
+from redis_router.core import BalancerCore, Call, Op
+from redis_router.policy import RoutingPolicy
+from redis_router.scripts import Script, load_file
 
 # Index blocks past index_ttl that one call forgets: bounded, so a call never walks a stale index.
 INDEX_TRIM_BUDGET = 64
 
 __all__ = [
     "AsyncPrefixCacheRouter",
+    "PrefixCache",
     "PrefixCacheRouter",
     "PrefixSettings",
     "chain_hashes",
@@ -252,78 +254,29 @@ def _check_hashes(block_hashes: object) -> str:
     return "".join(block_hashes)
 
 
-@cache
 def _script(name: str) -> Script:
-    """lib.lua + the index helpers + one of this plugin's scripts."""
-    parts = (lua_dir() / "lib.lua", _HERE / "prefix_cache_index.lua", _HERE / f"{name}.lua")
-    source = "\n".join(p.read_text() for p in parts)
-    return Script(name, source, hashlib.sha1(source.encode()).hexdigest())
+    return load_file(_HERE / f"{name}.lua")
 
 
-def _split_options(
-    explicit: Mapping[str, Any], router_kwargs: Mapping[str, Any] | None
-) -> tuple[PrefixSettings, dict[str, Any] | None]:
-    """This router's options (from keyword arguments or router_kwargs, not both) and the
-    router_kwargs left for the core."""
-    given = {k: v for k, v in explicit.items() if v is not None}
-    if router_kwargs is None:
-        return PrefixSettings(**given), None
-    if not isinstance(router_kwargs, Mapping):
-        raise TypeError(f"router_kwargs must be a mapping, got {type(router_kwargs).__name__}")
-    rest = dict(router_kwargs)
-    for key in OPTION_NAMES & set(rest):
-        if key in given:
-            raise TypeError(f"option {key!r} given both as an argument and in router_kwargs")
-        given[key] = rest.pop(key)
-    return PrefixSettings(**given), rest
+class PrefixCache(RoutingPolicy):
+    """The prefix-cache routing policy (see the module docstring); options: PrefixSettings."""
 
+    name = "prefix_cache"
+    script_path = _HERE / "prefix_cache.lua"
+    acquire_fields = ("prompt_ids",)
+    arity = 3
 
-class _PrefixOps:
-    """What both twins share: the options, packing prompts, calling the scripts, decoding."""
-
-    _core: BalancerCore
-    settings: PrefixSettings
-    _lua_settings: str
-
-    def __init__(
-        self,
-        servers: Mapping[str, Any] | None = None,
-        *,
-        router_kwargs: Mapping[str, Any] | None = None,
-        block_size: int | None = None,
-        balance_abs_threshold: float | None = None,
-        balance_rel_threshold: float | None = None,
-        min_match: float | None = None,
-        index_ttl: float | None = None,
-        max_index_blocks: int | None = None,
-        max_prompt_blocks: int | None = None,
-        record_on_acquire: bool | None = None,
-        **options: Any,
-    ) -> None:
-        self.settings, rest = _split_options(
-            {k: v for k, v in locals().items() if k in OPTION_NAMES}, router_kwargs
-        )
+    def __init__(self, **options: Any) -> None:
+        # None means "not given" (a YAML key left empty, an explicit keyword set to None).
+        self.settings = PrefixSettings(**{k: v for k, v in options.items() if v is not None})
         self._lua_settings = self.settings.lua()
-        super().__init__(servers, router_kwargs=rest, **options)  # the sync or async balancer
 
-    def _acquire_many_op(
-        self, request_ids: list[str], prompt_ids: Sequence[Sequence[int] | None] | None
-    ) -> Op[list[Grant]]:
-        """Check a batch's arguments (one prompt per request id) before anything is sent."""
-        rids = validation.request_ids(request_ids)
-        prompts = list(prompt_ids) if prompt_ids is not None else [None] * len(rids)
-        if len(prompts) != len(rids):
-            raise ValueError(f"{len(rids)} request ids but {len(prompts)} prompts")
-        return self._acquire_op(rids, prompts)
+    def options(self) -> dict[str, Any]:
+        return asdict(self.settings)
 
-    def block_hashes(self, prompt_ids: Sequence[int]) -> list[str]:
-        """The index's hashes of a prompt (what exact mode records for the tokens a replica
-        holds): one per sampled depth, see :func:`sample_depths`."""
-        s = self.settings
-        return chain_hashes(prompt_ids, s.block_size, s.max_prompt_blocks)[1]
-
-    def _prompt_args(self, prompt_ids: Sequence[int] | None) -> tuple[str, str, str]:
+    def request_args(self, fields: Mapping[str, Any]) -> tuple[str, ...]:
         """(settings, prefix hashes, first counted depth): prefix_cache.lua's arguments."""
+        prompt_ids = fields.get("prompt_ids")
         if prompt_ids is None:
             return self._lua_settings, "", "1"
         s = self.settings
@@ -331,22 +284,32 @@ class _PrefixOps:
         first = _first_counted(depths[-1], s.min_match) if depths else "1"
         return self._lua_settings, hexed, first
 
-    def require_acquire_fields(self) -> list[str]:
-        return ["prompt_ids"]
+    def block_hashes(self, prompt_ids: Sequence[int]) -> list[str]:
+        """The index's hashes of a prompt (what exact mode records for the tokens a replica
+        holds): one per sampled depth, see :func:`sample_depths`."""
+        s = self.settings
+        return chain_hashes(prompt_ids, s.block_size, s.max_prompt_blocks)[1]
 
-    def require_release_fields(self) -> list[str]:
-        return []
 
-    def _acquire_op(
-        self,
-        request_ids: list[str],
-        prompts: Sequence[Sequence[int] | None],
-        tokens: list[str] | None = None,
-    ) -> Op[list[Grant]]:
-        extras = [self._prompt_args(p) for p in prompts]
-        return self._core.acquire(
-            request_ids, tokens, script=_script("prefix_cache"), extras=extras
-        )
+class _IndexOps:
+    """Index maintenance both twins share; routing itself is the policy's."""
+
+    _core: BalancerCore
+
+    @property
+    def prefix_policy(self) -> PrefixCache:
+        policy = self._core.policy
+        if not isinstance(policy, PrefixCache):
+            raise TypeError(f"this router's policy is {policy.name!r}, not prefix_cache")
+        return policy
+
+    @property
+    def settings(self) -> PrefixSettings:
+        return self.prefix_policy.settings
+
+    def block_hashes(self, prompt_ids: Sequence[int]) -> list[str]:
+        """See :meth:`PrefixCache.block_hashes`."""
+        return self.prefix_policy.block_hashes(prompt_ids)
 
     def _blocks_op(self, mode: str, server_id: str, block_hashes: Sequence[str]) -> Op[int]:
         sid = validation.server_id(server_id)
@@ -359,38 +322,11 @@ class _PrefixOps:
         return int((yield Call(_script("prefix_cache_clear"), ())))
 
 
-class PrefixCacheRouter(_PrefixOps, RedisLoadBalancer):
-    """A :class:`~redis_router.RedisLoadBalancer` that routes new sessions to the replica
-    holding the longest prefix of their prompt (see the module docstring)."""
+class PrefixCacheRouter(_IndexOps, RedisLoadBalancer):
+    """A :class:`~redis_router.RedisLoadBalancer` with the :class:`PrefixCache` policy, and
+    the index's maintenance for exact mode."""
 
-    def acquire_server(
-        self, request_id: str, prompt_ids: Sequence[int] | None = None, **fields: Any
-    ) -> tuple[str, Any]:
-        """Route a request: its sticky replica, else the holder of its longest cached prefix
-        (unless the pool is imbalanced), else the least loaded. Returns (id, handle)."""
-        rid = validation.request_id(request_id)
-        g = self._run(self._acquire_op([rid], [prompt_ids]))[0]
-        return g.server_id, g.handle
-
-    def acquire_many(
-        self, request_ids: list[str], prompt_ids: Sequence[Sequence[int] | None] | None = None
-    ) -> list[tuple[str, Any]]:
-        """Route many requests in one round trip (``prompt_ids``: one prompt per request)."""
-        grants = self._run(self._acquire_many_op(request_ids, prompt_ids))
-        return [(g.server_id, g.handle) for g in grants]
-
-    def acquire(
-        self,
-        request_id: str,
-        *,
-        token: str | None = None,
-        prompt_ids: Sequence[int] | None = None,
-    ) -> Lease:
-        """Route a request and return its :class:`~redis_router.Lease` (``token``: a safe retry,
-        as in the core)."""
-        rid = validation.request_id(request_id)
-        tokens = [validation.request_id(token, "token")] if token is not None else None
-        return Lease(self, self._run(self._acquire_op([rid], [prompt_ids], tokens))[0])
+    default_policy = PrefixCache
 
     def record_blocks(self, server_id: str, block_hashes: Sequence[str]) -> int:
         """Exact mode: the replica now holds these blocks. Returns how many were recorded (0 if
@@ -413,33 +349,10 @@ class PrefixCacheRouter(_PrefixOps, RedisLoadBalancer):
         return f"PrefixCacheRouter(name={self.name!r}, redis={self.url!r})"
 
 
-class AsyncPrefixCacheRouter(_PrefixOps, AsyncRedisLoadBalancer):
+class AsyncPrefixCacheRouter(_IndexOps, AsyncRedisLoadBalancer):
     """The asyncio twin of :class:`PrefixCacheRouter`: same options, scripts and keys."""
 
-    async def acquire_server(
-        self, request_id: str, prompt_ids: Sequence[int] | None = None, **fields: Any
-    ) -> tuple[str, Any]:
-        """Route a request (see PrefixCacheRouter.acquire_server). Returns (id, handle)."""
-        rid = validation.request_id(request_id)
-        g = (await self._run(self._acquire_op([rid], [prompt_ids])))[0]
-        return g.server_id, g.handle
-
-    async def acquire_many(
-        self, request_ids: list[str], prompt_ids: Sequence[Sequence[int] | None] | None = None
-    ) -> list[tuple[str, Any]]:
-        grants = await self._run(self._acquire_many_op(request_ids, prompt_ids))
-        return [(g.server_id, g.handle) for g in grants]
-
-    async def acquire(
-        self,
-        request_id: str,
-        *,
-        token: str | None = None,
-        prompt_ids: Sequence[int] | None = None,
-    ) -> AsyncLease:
-        rid = validation.request_id(request_id)
-        tokens = [validation.request_id(token, "token")] if token is not None else None
-        return AsyncLease(self, (await self._run(self._acquire_op([rid], [prompt_ids], tokens)))[0])
+    default_policy = PrefixCache
 
     async def record_blocks(self, server_id: str, block_hashes: Sequence[str]) -> int:
         return await self._run(self._blocks_op("record", server_id, block_hashes))

@@ -1,6 +1,6 @@
 -- prefix_cache_index.lua: the prefix index of the prefix-cache router, shared by its scripts
--- (prefix_cache.lua, prefix_cache_record.lua, prefix_cache_clear.lua). The plugin's loader
--- puts it after lib.lua and before the script, so it reads KEYS[1] (P) only.
+-- (prefix_cache.lua, prefix_cache_record.lua, prefix_cache_clear.lua), which name it on their
+-- "-- Uses" line after lib/base; it reads KEYS[1] (P) only.
 --
 -- Key schema (P = KEYS[1] = "rr:{NAME}:"; the hash tag {NAME} holds for every key, I7):
 --   P.."pc:idx"  HASH    block hash -> its holders, "id\31us\31" per replica: us = when

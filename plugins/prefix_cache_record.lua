@@ -7,6 +7,7 @@
 -- Returns  record: how many blocks were recorded (0 when the replica is not in the pool, I6:
 --          a removed replica never reenters the index); evict: how many entries went.
 -- Keeps    I7 (keys from KEYS[1] only); the index bounds (max blocks, ttl).
+-- Uses     lib/base, prefix_cache_index
 local mode, id, hs = ARGV[1], ARGV[2], ARGV[3]
 local hashes = split_hashes(hs)
 local n = #hashes

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import random
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from typing import Any
 
 from redis import exceptions as rx
@@ -25,8 +25,13 @@ from .connection import (
     sentinel_check_due,
     stale_pools,
 )
-from .core import Call, Grant, Op, T, build_core, new_tokens
+from .core import Call, Grant, Op, T, build_core, fields_per_request, new_tokens
 from .errors import NoServersAvailable, RedisRouterError, RedisUnavailable
+from .policy import LeastLoaded, RoutingPolicy
+
+# A coalesced acquire: request id, the token of an earlier attempt (or None), the policy's
+# arguments for it.
+_AcquireItem = tuple[str, str | None, tuple[str, ...]]
 
 
 class AsyncLease:
@@ -66,7 +71,10 @@ class AsyncRedisLoadBalancer:
     ``coalesce`` (default True): acquires and releases made while another is in flight go
     together in the next round trip, with the result of making them one after another
     (:mod:`redis_router.coalesce`); a lone call waits one loop turn. False sends each by itself.
+    Coalesced calls go through the policy like every other acquire.
     """
+
+    default_policy: type[RoutingPolicy] = LeastLoaded
 
     def __init__(
         self,
@@ -79,13 +87,18 @@ class AsyncRedisLoadBalancer:
         lease_ttl: float = 20.0,
         max_lease_age: float = 86400.0,
         rng: random.Random | None = None,
+        policy: RoutingPolicy | type[RoutingPolicy] | str | None = None,
         router_kwargs: Mapping[str, Any] | None = None,
         coalesce: bool = True,
+        **policy_options: Any,
     ) -> None:
         if not isinstance(coalesce, bool):
             raise TypeError(f"coalesce must be a bool, got {type(coalesce).__name__}")
         self._core, redis = build_core(
+            self.default_policy,
             router_kwargs,
+            policy_options,
+            policy=policy,
             redis=redis,
             name=name,
             full_determinism=full_determinism,
@@ -98,7 +111,7 @@ class AsyncRedisLoadBalancer:
         self._initial = validation.servers_mapping(servers) if servers is not None else {}
         self._client, self.url, self._owns_client = client_for(redis, asyncio=True)
         self._setup: asyncio.Future[None] | None = None
-        self._acquires: Coalescer[tuple[str, str | None], Grant] | None = None
+        self._acquires: Coalescer[_AcquireItem, Grant] | None = None
         self._releases: Coalescer[tuple[str, str | None, str | None], bool] | None = None
         if coalesce:
             self._acquires = Coalescer(self._acquire_batch, self._release_orphan)
@@ -166,25 +179,35 @@ class AsyncRedisLoadBalancer:
         self._keeper = None
 
     async def _acquire(
-        self, request_ids: list[str], tokens: list[str] | None = None
+        self,
+        request_ids: list[str],
+        tokens: list[str] | None = None,
+        fields: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        args: Sequence[tuple[str, ...]] | None = None,
     ) -> list[Grant]:
-        return await self._run(self._core.acquire(request_ids, tokens))
+        return await self._run(self._core.acquire(request_ids, tokens, fields, args=args))
 
     # -- coalesced acquires and releases ---------------------------------------------------
 
-    async def _acquire_one(self, request_id: str, token: str | None = None) -> Grant:
+    async def _acquire_one(
+        self, request_id: str, token: str | None, fields: Mapping[str, Any]
+    ) -> Grant:
         if self._acquires is None:
-            return (await self._acquire([request_id], [token] if token is not None else None))[0]
-        return await self._acquires.submit((request_id, token))
+            tokens = [token] if token is not None else None
+            return (await self._acquire([request_id], tokens, [fields]))[0]
+        # The policy's arguments are made (and checked) here: bad fields fail their own
+        # caller, never the batch it would have joined.
+        args = self._core.policy.request_args(fields) if self._core.policy.arity else ()
+        return await self._acquires.submit((request_id, token, args))
 
-    async def _acquire_batch(
-        self, items: list[tuple[str, str | None]]
-    ) -> list[Grant | BaseException]:
-        rids = [rid for rid, _ in items]
+    async def _acquire_batch(self, items: list[_AcquireItem]) -> list[Grant | BaseException]:
+        rids = [rid for rid, _, _ in items]
         fresh = iter(new_tokens(len(items)))
-        tokens = [token if token is not None else next(fresh) for _, token in items]
+        tokens = [token if token is not None else next(fresh) for _, token, _ in items]
+        args = [a for _, _, a in items]
         try:
-            return list(await self._acquire(rids, tokens))
+            return list(await self._acquire(rids, tokens, args=args))
         except NoServersAvailable:
             if len(items) == 1:
                 raise
@@ -192,14 +215,14 @@ class AsyncRedisLoadBalancer:
         # sticky to a draining replica is still served, so each is tried by itself. Every
         # outcome reaches its own caller: a grant is never lost to a later item's error.
         outcomes: list[Grant | BaseException] = []
-        for rid, token in zip(rids, tokens, strict=True):
+        for rid, token, a in zip(rids, tokens, args, strict=True):
             try:
-                outcomes.append((await self._acquire([rid], [token]))[0])
+                outcomes.append((await self._acquire([rid], [token], args=[a]))[0])
             except RedisRouterError as exc:
                 outcomes.append(exc)
         return outcomes
 
-    def _release_orphan(self, _item: tuple[str, str | None], grant: Grant) -> None:
+    def _release_orphan(self, _item: _AcquireItem, grant: Grant) -> None:
         """A caller was cancelled after its acquire was sent: end the lease it never got."""
         _release_in_background(self._release_one(grant.server_id, grant.request_id, grant.token))
 
@@ -221,14 +244,20 @@ class AsyncRedisLoadBalancer:
     def name(self) -> str:
         return self._core.name
 
+    @property
+    def policy(self) -> RoutingPolicy:
+        """How new sessions are placed."""
+        return self._core.policy
+
     async def acquire_server(self, request_id: str, **fields: Any) -> tuple[str, Any]:
-        """Route a request: its sticky replica, else the least loaded. Returns (id, handle)."""
-        g = await self._acquire_one(validation.request_id(request_id))
+        """Route a request (see RedisLoadBalancer.acquire_server). Returns (id, handle)."""
+        g = await self._acquire_one(validation.request_id(request_id), None, fields)
         return g.server_id, g.handle
 
-    async def acquire_many(self, request_ids: list[str]) -> list[tuple[str, Any]]:
-        """Route many requests in one round trip, as if acquired one after another."""
-        grants = await self._acquire(validation.request_ids(request_ids))
+    async def acquire_many(self, request_ids: list[str], **fields: Any) -> list[tuple[str, Any]]:
+        """Route many requests in one round trip (see RedisLoadBalancer.acquire_many)."""
+        rids = validation.request_ids(request_ids)
+        grants = await self._acquire(rids, None, fields_per_request(len(rids), fields))
         return [(g.server_id, g.handle) for g in grants]
 
     async def acquire(
@@ -237,7 +266,7 @@ class AsyncRedisLoadBalancer:
         """Route a request and return its lease (``token``: see RedisLoadBalancer.acquire)."""
         rid = validation.request_id(request_id)
         checked = validation.token(token) if token is not None else None
-        return AsyncLease(self, await self._acquire_one(rid, checked))
+        return AsyncLease(self, await self._acquire_one(rid, checked, fields))
 
     @contextlib.asynccontextmanager
     async def lease(
@@ -309,10 +338,10 @@ class AsyncRedisLoadBalancer:
         return await self._run(self._core.destroy())
 
     def require_acquire_fields(self) -> list[str]:
-        return []
+        return list(self._core.policy.acquire_fields)
 
     def require_release_fields(self) -> list[str]:
-        return []
+        return list(self._core.policy.release_fields)
 
     # -- lifetime --------------------------------------------------------------------------
 

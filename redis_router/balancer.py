@@ -7,7 +7,7 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,8 +21,9 @@ from .connection import (
     sentinel_check_due,
     stale_pools,
 )
-from .core import Call, Grant, Op, T, build_core
+from .core import Call, Grant, Op, T, build_core, fields_per_request
 from .errors import RedisUnavailable
+from .policy import LeastLoaded, RoutingPolicy
 
 
 class Lease:
@@ -68,7 +69,13 @@ class RedisLoadBalancer:
     reclaimed that long after its last heartbeat (sent every lease_ttl / 4 from a background
     thread). ``max_lease_age`` ends a lease its process forgot to release. Constructing a
     balancer writes nothing unless ``servers`` are given; the first acquire pins sticky_ttl.
+
+    ``policy`` places new sessions (:mod:`redis_router.policy`; default least loaded): a
+    :class:`~redis_router.policy.RoutingPolicy`, its class, or its registered name, with its
+    options as further keyword arguments. Every acquire path goes through it.
     """
+
+    default_policy: type[RoutingPolicy] = LeastLoaded
 
     def __init__(
         self,
@@ -81,10 +88,15 @@ class RedisLoadBalancer:
         lease_ttl: float = 20.0,
         max_lease_age: float = 86400.0,
         rng: random.Random | None = None,
+        policy: RoutingPolicy | type[RoutingPolicy] | str | None = None,
         router_kwargs: Mapping[str, Any] | None = None,
+        **policy_options: Any,
     ) -> None:
         self._core, redis = build_core(
+            self.default_policy,
             router_kwargs,
+            policy_options,
+            policy=policy,
             redis=redis,
             name=name,
             full_determinism=full_determinism,
@@ -148,8 +160,13 @@ class RedisLoadBalancer:
         self._keeper = None
         self._keeper_lock = threading.Lock()
 
-    def _acquire(self, request_ids: list[str], tokens: list[str] | None = None) -> list[Grant]:
-        return self._run(self._core.acquire(request_ids, tokens))
+    def _acquire(
+        self,
+        request_ids: list[str],
+        tokens: list[str] | None = None,
+        fields: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[Grant]:
+        return self._run(self._core.acquire(request_ids, tokens, fields))
 
     def _run(self, op: Op[T]) -> T:
         try:
@@ -165,14 +182,23 @@ class RedisLoadBalancer:
     def name(self) -> str:
         return self._core.name
 
+    @property
+    def policy(self) -> RoutingPolicy:
+        """How new sessions are placed."""
+        return self._core.policy
+
     def acquire_server(self, request_id: str, **fields: Any) -> tuple[str, Any]:
-        """Route a request: its sticky replica, else the least loaded. Returns (id, handle)."""
-        g = self._acquire([validation.request_id(request_id)])[0]
+        """Route a request: its sticky replica, else where the policy places it (default: the
+        least loaded). ``fields``: what the policy reads (``require_acquire_fields``).
+        Returns (id, handle)."""
+        g = self._acquire([validation.request_id(request_id)], None, [fields])[0]
         return g.server_id, g.handle
 
-    def acquire_many(self, request_ids: list[str]) -> list[tuple[str, Any]]:
-        """Route many requests in one round trip, as if acquired one after another."""
-        grants = self._acquire(validation.request_ids(request_ids))
+    def acquire_many(self, request_ids: list[str], **fields: Any) -> list[tuple[str, Any]]:
+        """Route many requests in one round trip, as if acquired one after another; each
+        field is a sequence with one value per request id (``prompt_ids=[...]``)."""
+        rids = validation.request_ids(request_ids)
+        grants = self._acquire(rids, None, fields_per_request(len(rids), fields))
         return [(g.server_id, g.handle) for g in grants]
 
     def acquire(self, request_id: str, *, token: str | None = None, **fields: Any) -> Lease:
@@ -180,7 +206,7 @@ class RedisLoadBalancer:
         failed attempt makes a retry safe: a lease already granted is returned, not doubled."""
         rid = validation.request_id(request_id)
         tokens = [validation.token(token)] if token is not None else None
-        return Lease(self, self._acquire([rid], tokens)[0])
+        return Lease(self, self._acquire([rid], tokens, [fields])[0])
 
     @contextmanager
     def lease(
@@ -266,10 +292,10 @@ class RedisLoadBalancer:
         return self._run(self._core.destroy())
 
     def require_acquire_fields(self) -> list[str]:
-        return []
+        return list(self._core.policy.acquire_fields)
 
     def require_release_fields(self) -> list[str]:
-        return []
+        return list(self._core.policy.release_fields)
 
     # -- lifetime --------------------------------------------------------------------------
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from . import validation
 from .errors import ConfigMismatch, NoServersAvailable
+from .policy import RoutingPolicy, make_policy
 from .scripts import Script, load
 
 T = TypeVar("T")
@@ -38,6 +39,7 @@ RAND_BITS = 48
 
 
 _MISSING = object()
+_NO_FIELDS: Mapping[str, Any] = {}
 _IMMUTABLE = (str, int, float, bool, type(None))
 
 
@@ -75,37 +77,54 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "lease_ttl": 20.0,
     "max_lease_age": 86400.0,
     "rng": None,
+    "policy": None,
 }
 
 
-def merge_router_kwargs(
-    given: dict[str, Any], router_kwargs: Mapping[str, Any] | None
-) -> dict[str, Any]:
-    """Fold the seed's plugin-style ``router_kwargs`` (e.g. the rest of a YAML router config)
-    into the constructor's keyword options. A key may come from one place only."""
-    if router_kwargs is None:
-        return given
-    if not isinstance(router_kwargs, Mapping):
-        raise TypeError(f"router_kwargs must be a mapping, got {type(router_kwargs).__name__}")
-    unknown = sorted(set(router_kwargs) - set(OPTION_DEFAULTS))
-    if unknown:
-        raise TypeError(
-            f"router_kwargs has unknown option(s) {unknown}; allowed: {sorted(OPTION_DEFAULTS)}"
-        )
-    merged = dict(given)
-    for key, value in router_kwargs.items():
-        if given[key] is not OPTION_DEFAULTS[key] and given[key] != OPTION_DEFAULTS[key]:
-            raise TypeError(f"option {key!r} given both as an argument and in router_kwargs")
-        merged[key] = value
-    return merged
-
-
-def build_core(router_kwargs: Mapping[str, Any] | None, **given: Any) -> tuple[BalancerCore, Any]:
-    """The twins' constructors in one place: fold in router_kwargs, build the core, and
-    return it with the ``redis`` option (a URL, a client or None) left for the caller."""
-    opts = merge_router_kwargs(given, router_kwargs)
+def build_core(
+    default_policy: type[RoutingPolicy],
+    router_kwargs: Mapping[str, Any] | None,
+    policy_options: Mapping[str, Any],
+    **given: Any,
+) -> tuple[BalancerCore, Any]:
+    """The twins' constructors in one place. ``router_kwargs`` (e.g. the rest of a YAML router
+    config) is folded into the keyword options, a key coming from one place only; keys that
+    are not the balancer's own go to its routing policy. Returns the core and the ``redis``
+    option (a URL, a client or None) left for the caller."""
+    opts = dict(given)
+    extra = dict(policy_options)
+    if router_kwargs is not None:
+        if not isinstance(router_kwargs, Mapping):
+            raise TypeError(f"router_kwargs must be a mapping, got {type(router_kwargs).__name__}")
+        for key, value in router_kwargs.items():
+            key = str(key)
+            if key in OPTION_DEFAULTS:
+                if opts[key] is not OPTION_DEFAULTS[key] and opts[key] != OPTION_DEFAULTS[key]:
+                    raise TypeError(
+                        f"option {key!r} given both as an argument and in router_kwargs"
+                    )
+                opts[key] = value
+            elif key in extra:
+                raise TypeError(f"option {key!r} given both as an argument and in router_kwargs")
+            else:
+                extra[key] = value
+    opts["policy"] = make_policy(opts["policy"], default_policy, extra, list(OPTION_DEFAULTS))
     redis = opts.pop("redis")
     return BalancerCore(**opts), redis
+
+
+def fields_per_request(n: int, fields: Mapping[str, Any]) -> list[Mapping[str, Any]] | None:
+    """acquire_many's keyword fields (one sequence per field, a value per request id) as one
+    mapping per request; None values mean the field was not given."""
+    given = {k: v for k, v in fields.items() if v is not None}
+    if not given:
+        return None
+    for key, values in given.items():
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise TypeError(f"{key} must be a sequence with one value per request id")
+        if len(values) != n:
+            raise ValueError(f"{key} holds {len(values)} values for {n} request ids; give one each")
+    return [{k: v[j] for k, v in given.items()} for j in range(n)]
 
 
 def new_token() -> str:
@@ -157,6 +176,7 @@ class BalancerCore:
         lease_ttl: float,
         max_lease_age: float,
         rng: random.Random | None,
+        policy: RoutingPolicy,
     ) -> None:
         self.name = validation.name(name)
         self.prefix = f"rr:{{{self.name}}}:"
@@ -191,7 +211,8 @@ class BalancerCore:
         self.new_holder()
         self.handles: dict[str, Any] = {}
         self._decoded: dict[str, Any] = {}
-        self._acquire, self._release = load("acquire"), load("release")
+        self.policy = policy
+        self._acquire, self._release = policy.script, load("release")
         # Called before every acquire, whichever router's script it runs: the balancer starts
         # its keeper here, so no path can take a lease that nothing keeps alive.
         self.on_acquire: Callable[[], None] = _nothing
@@ -263,28 +284,35 @@ class BalancerCore:
         self,
         request_ids: list[str],
         tokens: list[str] | None = None,
+        fields: Sequence[Mapping[str, Any]] | None = None,
         *,
-        script: Script | None = None,
-        extras: list[tuple[Any, ...]] | None = None,
+        args: Sequence[tuple[str, ...]] | None = None,
     ) -> Op[list[Grant]]:
-        """Route requests. Router plugins pass their own ``script`` (built on lib.lua's
-        acquire_all) and per-request ``extras`` that follow (request id, token, random)."""
+        """Route requests through the policy's script; ``fields`` (one mapping per request)
+        become its per-request arguments, checked before anything is sent (``args``: those
+        arguments, already made by :meth:`request_args`)."""
         self.on_acquire()
-        script = script or self._acquire
-        rand = self._getrandbits
-        if len(request_ids) == 1 and extras is None and (tokens is None or len(tokens) == 1):
+        script, rand, policy = self._acquire, self._getrandbits, self.policy
+        n = len(request_ids)
+        if fields is not None and len(fields) != n:
+            raise ValueError(f"got {len(fields)} field sets for {n} request ids; give one each")
+        if args is None and policy.arity and fields is not None:
+            args = [policy.request_args(f) for f in fields]
+        if n == 1 and policy.arity == 0 and (tokens is None or len(tokens) == 1):
             token = tokens[0] if tokens else new_token()  # the common case, without loops
             args = (*self._acquire_head, request_ids[0], token, str(rand(RAND_BITS)))
             sid, meta, how = yield Call(script, args)
             sid = _str(sid)
             return [Grant(sid, self.handle(sid, meta), request_ids[0], token, how == 1)]
-        tokens = tokens or new_tokens(len(request_ids))
+        tokens = tokens or new_tokens(n)
         flat: list[Any] = list(self._acquire_head)
-        if extras is None:
+        if policy.arity == 0:
             for rid, token in zip(request_ids, tokens, strict=True):
                 flat += (rid, token, str(rand(RAND_BITS)))
         else:
-            for rid, token, extra in zip(request_ids, tokens, extras, strict=True):
+            if args is None:
+                args = [policy.request_args(_NO_FIELDS)] * n
+            for rid, token, extra in zip(request_ids, tokens, args, strict=True):
                 flat += (rid, token, str(rand(RAND_BITS)), *extra)
         raw = yield Call(script, tuple(flat))
         handle = self.handle
@@ -412,6 +440,7 @@ class BalancerCore:
             "registered_handles": len(self.handles),
             "sticky_sessions": int(sessions),
             "full_determinism": self.full_determinism,
+            "policy": {"name": self.policy.name, **self.policy.options()},
             "sticky_ttl": self.sticky_ttl,
             "lease_ttl": self.lease_ttl,
             "max_lease_age": self.max_lease_age,

@@ -57,6 +57,7 @@ import redis
 from . import scripts
 from .balancer import RedisLoadBalancer
 from .local_server import given_or_private_redis
+from .policy import RoutingPolicy
 
 BLOCK = 16  # tokens per replica KV block (vLLM's default)
 CACHED_COST = 0.05  # work units per cached prompt token (attention over the cached KV)
@@ -78,11 +79,14 @@ WORKLOADS = ("multi-turn", "grpo", "system", "mix")
 _RANDOM_LUA = """
 -- The simulator's random router: uniform over the replicas taking new sessions (client
 -- entropy in ARGV), with the core's leases and stickiness (acquire_all).
-return acquire_all(3, function(i)
-  local n = redis.call('ZCARD', P .. 'load')
-  local r = tonumber(ARGV[i + 2]) % n
-  return redis.call('ZRANGE', P .. 'load', r, r)[1]
-end)
+-- Uses     lib/base, lib/leases, lib/picking, lib/acquiring
+return acquire_all(3, {
+  choose = function(i)
+    local n = redis.call('ZCARD', P .. 'load')
+    local r = tonumber(ARGV[i + 2]) % n
+    return redis.call('ZRANGE', P .. 'load', r, r)[1]
+  end,
+})
 """
 
 _SERVE_LUA = """
@@ -126,19 +130,25 @@ return {cached, math.floor((finish - now) * 1000)}
 """
 
 
+class RandomPolicy(RoutingPolicy):
+    """Uniform random choice among the replicas taking new sessions (a baseline)."""
+
+    name = "random"
+
+    @property
+    def script(self) -> scripts.Script:
+        return _random_script()
+
+
 @functools.cache
 def _random_script() -> scripts.Script:
-    source = (scripts.lua_dir() / "lib.lua").read_text() + "\n" + _RANDOM_LUA
-    return scripts.Script("sim_random", source, hashlib.sha1(source.encode()).hexdigest())
+    return scripts.from_source("sim_random", _RANDOM_LUA)
 
 
 class RandomRouter(RedisLoadBalancer):
-    """Uniform random choice among the replicas taking new sessions (a baseline), with the
-    core's leases and stickiness."""
+    """The random baseline, with the core's leases and stickiness."""
 
-    def acquire_server(self, request_id: str, **fields: Any) -> tuple[str, Any]:
-        g = self._run(self._core.acquire([request_id], script=_random_script()))[0]
-        return g.server_id, g.handle
+    default_policy = RandomPolicy
 
 
 # -- workloads ------------------------------------------------------------------------------

@@ -32,7 +32,8 @@ for _, key in ipairs(redis.call('KEYS', P .. 'owned:*')) do
   owned[#owned + 1] = {key, redis.call('ZRANGE', key, 0, -1)}
 end
 return {pool, held, redis.call('HKEYS', P .. 'servers'), redis.call('HGETALL', P .. 'leases'),
-        redis.call('HGETALL', P .. 'byreq'), redis.call('KEYS', P .. 'held:*'), holders, owned}
+        redis.call('HGETALL', P .. 'byreq'), redis.call('KEYS', P .. 'held:*'), holders, owned,
+        redis.call('ZRANGE', P .. 'weighted', 0, -1, 'WITHSCORES')}
 """
 
 
@@ -46,7 +47,7 @@ def check(r: redis.Redis, name: str) -> dict[str, int]:
     snapshot of the balancer's keys; return the counts."""
     p = prefix(name)
     snap = r.eval(_SNAPSHOT, 1, p)
-    pool, held_lists, servers, flat_leases, flat_byreq, held_keys, holders, owned_rows = snap
+    pool, held_lists, servers, flat_leases, flat_byreq, held_keys, holders, owned_rows, wflat = snap
     counts: dict[str, int] = {}
     for _zs, sid, score in pool:
         assert sid not in counts, f"{sid!r} is both taking and draining"
@@ -57,14 +58,18 @@ def check(r: redis.Redis, name: str) -> dict[str, int]:
     per_server: dict[str, int] = dict.fromkeys(counts, 0)
     owned = {key[len(p) + 6 :]: set(tokens) for key, tokens in owned_rows}
     assert set(owned) <= set(holders), f"leases of unregistered holders {set(owned) - set(holders)}"
+    weighed: dict[str, int] = {}
     for token, record in leases.items():
-        sid, rid, holder = record.split(SEP)
+        sid, rid, holder, *weight = record.split(SEP)
         field = sid + SEP + rid
+        weighed[sid] = weighed.get(sid, 0) + sum(int(w) for w in weight)
         assert sid in counts, f"lease {token} on {sid!r}, which is not in the pool (I6)"
         assert token in held[sid], f"lease {token} not held"
         assert token in byreq.get(field, "").split(), f"lease {token} not indexed"
         assert token in owned.get(holder, ()), f"lease {token} not owned by its holder {holder}"
         per_server[sid] += 1
+    weighted = {sid: int(float(w)) for sid, w in _pairs(wflat).items() if float(w) != 0}
+    assert weighted == {s: w for s, w in weighed.items() if w}, "weighted load != lease weights"
     for holder, tokens in owned.items():
         for t in tokens:
             assert t in leases, f"holder {holder} owns {t}, which is no lease"
@@ -75,7 +80,7 @@ def check(r: redis.Redis, name: str) -> dict[str, int]:
         )
     for field, tokens in byreq.items():
         for t in tokens.split():
-            assert leases.get(t, "").rsplit(SEP, 1)[0] == field, f"byreq {field!r}: dead {t}"
+            assert SEP.join(leases.get(t, "").split(SEP)[:2]) == field, f"byreq {field!r}: {t}"
     for key in held_keys:
         assert key[len(p) + 5 :] in counts, f"leftover {key!r} of a removed replica"
     return counts

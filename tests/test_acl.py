@@ -26,7 +26,7 @@ def script_commands() -> set[str]:
     ``redis.call('CMD', ...)`` plus lib.lua's ``flat_call('CMD', ...)``, which calls its
     ``cmd`` argument. Any other call by variable fails here, to be checked by hand."""
     called: set[str] = set()
-    for path in Path(lua_dir()).glob("*.lua"):
+    for path in Path(lua_dir()).rglob("*.lua"):
         text = path.read_text()
         by_variable = set(re.findall(r"redis\.p?call\(\s*([^'\s,]+)", text)) - {"cmd"}
         assert not by_variable, f"{path.name} calls {by_variable}: check its ACL by hand"

@@ -46,7 +46,7 @@ async def settle(alb: AsyncRedisLoadBalancer, total: int) -> int:
 def test_same_methods_as_the_sync_class_as_coroutines():
     public = {n for n in dir(RedisLoadBalancer) if not n.startswith("_")}
     assert public <= set(dir(AsyncRedisLoadBalancer))
-    plain = {"name", "require_acquire_fields", "require_release_fields"}
+    plain = {"name", "policy", "default_policy", "require_acquire_fields", "require_release_fields"}
     for n in public - plain:
         attr = getattr(AsyncRedisLoadBalancer, n)
         coro = inspect.iscoroutinefunction(attr) or inspect.isasyncgenfunction(

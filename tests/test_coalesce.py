@@ -157,10 +157,10 @@ def test_a_grant_reaches_its_caller_when_a_later_retried_request_fails(server, r
             await lb.drain_servers(["s0"])
             real_acquire = lb._acquire
 
-            async def flaky(rids: list[str], tokens: list[str] | None = None) -> Any:
+            async def flaky(rids: list[str], *args: Any, **kw: Any) -> Any:
                 if rids == ["after"]:
                     raise RedisUnavailable("injected: connection dropped")
-                return await real_acquire(rids, tokens)
+                return await real_acquire(rids, *args, **kw)
 
             lb._acquire = flaky  # type: ignore[method-assign]
             got = await asyncio.gather(

@@ -314,7 +314,7 @@ def test_deepest_held_block_wins_even_if_shallower_ones_went(make_pc):
 def test_a_batch_routes_as_one_acquire_after_another(make_pc, r):
     lb = make_pc(rng=random.Random(22))
     p = prompt(23, 12)
-    got = lb.acquire_many([f"g{k}" for k in range(4)], [p] * 4)
+    got = lb.acquire_many([f"g{k}" for k in range(4)], prompt_ids=[p] * 4)
     assert len({sid for sid, _ in got}) == 1  # the first's write steers the other three
     assert recorded(r, lb.name) == len(lb.block_hashes(p))  # one write for the group
     assert invariants.check(r, lb.name)[got[0][0]] == 4

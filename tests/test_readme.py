@@ -1,19 +1,23 @@
-"""The README's plugin example is real code: extracted from the README and run on a server."""
+"""The README's plugin example is real code: extracted from the README, loaded from its YAML as
+a user would, and proven to be used by every acquire path of both balancers."""
 
 from __future__ import annotations
 
-import importlib.util
+import asyncio
 import re
-from collections import Counter
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from omegaconf import OmegaConf
+import pytest
 
-from redis_router import RequestLoadBalancer
+from redis_router import AsyncRedisLoadBalancer, RouterClient, get_router_handle
 
 from . import invariants
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+SERVERS = {f"s{i}": f"http://10.0.0.{i}" for i in range(4)}
 
 
 def _block(first_line: str) -> str:
@@ -24,20 +28,67 @@ def _block(first_line: str) -> str:
     raise AssertionError(f"README has no code block starting with {first_line!r}")
 
 
-def test_readme_plugin_example_routes_through_redis(server, r, tmp_path):
-    (tmp_path / "random_pick.lua").write_text(_block("-- plugins/random_pick.lua"))
-    (tmp_path / "random_pick.py").write_text(_block("# plugins/random_pick.py"))
-    config = OmegaConf.create(_block("# plugins/random_pick.yaml"))
-    assert config.router_class.endswith("random_pick.RandomPickRouter")
-    spec = importlib.util.spec_from_file_location("random_pick", tmp_path / "random_pick.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+@pytest.fixture
+def plugin(tmp_path: Path) -> Iterator[Path]:
+    """The README's three files, as a user's package ``readme_plugin`` on sys.path."""
+    package = tmp_path / "readme_plugin"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "preferred.lua").write_text(_block("-- plugins/preferred.lua"))
+    (package / "preferred.py").write_text(_block("# plugins/preferred.py"))
+    yaml = _block("# plugins/preferred.yaml")
+    assert "policy: redis_router.plugins.preferred.Preferred" in yaml
+    config = tmp_path / "preferred.yaml"
+    config.write_text(yaml.replace("redis_router.plugins.preferred", "readme_plugin.preferred"))
+    sys.path.insert(0, str(tmp_path))
+    yield config
+    sys.path.remove(str(tmp_path))
+    for name in [m for m in sys.modules if m.startswith("readme_plugin")]:
+        del sys.modules[name]
 
-    servers = {f"s{i}": f"http://10.0.0.{i}" for i in range(4)}
-    lb = module.RandomPickRouter(servers, redis=server.url, name="readme")
-    assert isinstance(lb, RequestLoadBalancer)
-    placed = Counter(lb.acquire_server(f"q{i}")[0] for i in range(200))
-    assert invariants.fair(placed, 200, 4), placed  # uniform, held leases notwithstanding
-    first = lb.acquire_server("q7")[0]
-    assert lb.acquire_server("q7")[0] == first  # sticky, from the core's acquire_all
-    assert sum(invariants.check(r, "readme").values()) == 202
+
+def _evalsha_calls(r: Any) -> int:
+    return int(r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def test_a_plugin_written_from_the_readme_is_used_by_every_sync_path(plugin, server, r):
+    lb = get_router_handle(SERVERS, plugin, redis=server.url, name="readme")
+    assert lb.policy.name == "preferred" and lb.require_acquire_fields() == ["prefer"]
+    assert lb.acquire_server("a", prefer="s2")[0] == "s2"
+    assert lb.acquire("b", prefer="s3").server_id == "s3"
+    with lb.lease("c", prefer="s1") as held:
+        assert held.server_id == "s1"
+    placed = lb.acquire_many(["d", "e", "f"], prefer=["s0", "s0", "s3"])
+    assert [sid for sid, _ in placed] == ["s0", "s0", "s3"]
+    with RouterClient(lb).session_sync("g", prefer="s2", other="dropped") as (sid, _):
+        assert sid == "s2"
+    assert lb.acquire_server("a", prefer="s0")[0] == "s2"  # a later turn stays sticky
+    assert invariants.check(r, "readme") == {"s0": 2, "s1": 0, "s2": 2, "s3": 2}
+    with pytest.raises(TypeError, match="prefer"):
+        lb.acquire_server("h", prefer=3)  # the policy checks its field before any write
+    lb.close()
+
+
+def test_a_plugin_written_from_the_readme_is_used_by_coalesced_asyncio_calls(plugin, server, r):
+    async def main() -> dict[str, int]:
+        lb = get_router_handle(
+            SERVERS, plugin, redis=server.url, name="readme-aio"
+        )  # the YAML's class is sync; the asyncio twin takes the same policy
+        alb = AsyncRedisLoadBalancer(redis=server.url, name="readme-aio", policy=lb.policy)
+        await (await alb.acquire("warm", prefer="s0")).release()  # scripts loaded
+        wanted = [f"s{i % 4}" for i in range(24)]
+        calls = _evalsha_calls(r)
+        got: list[Any] = await asyncio.gather(
+            *(alb.acquire_server(f"q{i}", prefer=w) for i, w in enumerate(wanted))
+        )
+        assert _evalsha_calls(r) - calls == 1  # one loop turn: one coalesced script call
+        assert [sid for sid, _ in got] == wanted
+        lease = await alb.acquire("z", prefer="s1")
+        assert lease.server_id == "s1" and await lease.release()
+        many = await alb.acquire_many(["m1", "m2"], prefer=["s3", "s0"])
+        assert [sid for sid, _ in many] == ["s3", "s0"]
+        await alb.close()
+        lb.close()
+        return invariants.check(r, "readme-aio")
+
+    assert asyncio.run(main()) == {"s0": 7, "s1": 6, "s2": 6, "s3": 7}

@@ -15,6 +15,7 @@ from .. import validation
 from ..connection import connect, redact, resolve_url, send_failure, unavailable_message
 from ..core import OPTION_DEFAULTS, BalancerCore, Call, Op, T, build_core
 from ..errors import RedisUnavailable
+from ..policy import LeastLoaded
 
 
 class CliError(Exception):
@@ -106,7 +107,7 @@ class Balancer:
             options = dict(OPTION_DEFAULTS, name=self.name)
             if sticky_ttl is not None:
                 options["sticky_ttl"] = sticky_ttl
-            self._cores[sticky_ttl] = build_core(None, **options)[0]
+            self._cores[sticky_ttl] = build_core(LeastLoaded, None, {}, **options)[0]
         return self._cores[sticky_ttl]
 
     def run(self, op: Op[T], core: BalancerCore | None = None) -> T:

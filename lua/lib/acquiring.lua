@@ -1,0 +1,280 @@
+-- lib/acquiring.lua: the acquire procedure every policy shares: retries, sticky sessions,
+-- leases, counts (uses base, leases, picking).
+-- A new lease's record; a policy that weighs requests adds the weight to it and to the
+-- replica's weighted load at once (a batch's later choices see it), and end_lease takes it off.
+local function lease_record(policy, i, id, field, holder)
+  local w = policy.weight and policy.weight(i)
+  if not w or w <= 0 then return field .. SEP .. holder end
+  w = int(w)
+  redis.call('ZINCRBY', P .. 'weighted', w, id)
+  return field .. SEP .. holder .. SEP .. w
+end
+
+-- One request (the common case): the straight sequential procedure, without the batch's
+-- tables. Its arguments start at ARGV[i]; the caller has reaped and knows `now` and `cur`.
+local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
+  local req, token = ARGV[i], ARGV[i + 1]
+  local rec = redis.call('HGET', P .. 'leases', token)
+  if rec then
+    local id = server_of(rec)
+    return { id, redis.call('HGET', P .. 'servers', id), 2 }
+  end
+  local old, ob
+  for b = cur, cur - span, -1 do
+    old = redis.call('HGET', P .. 'sticky:' .. int(b), req)
+    if old then
+      ob = b
+      break
+    end
+  end
+  -- A sticky replica is counted where it is (ZADD XX INCR is a no-op outside the set), so a
+  -- sticky hit needs no membership lookup; only a new session needs the NOSERVERS check.
+  local id, how = old, 1
+  if not (old and redis.call('ZADD', LOAD, 'XX', 'INCR', '1', old)) then
+    if not (old and redis.call('ZADD', P .. 'draining', 'XX', 'INCR', '1', old)) then
+      if not load_peek() then
+        return redis.error_reply('NOSERVERS no replica is accepting new sessions')
+      end
+      id, how = policy.choose(i), 0
+      redis.call('ZINCRBY', LOAD, '1', id)
+    end
+  end
+  local at = int(now)
+  redis.call('ZADD', P .. 'held:' .. id, at, token)
+  redis.call('ZADD', P .. 'owned:' .. holder, at, token)
+  local field = id .. SEP .. req
+  redis.call('HSET', P .. 'leases', token, lease_record(policy, i, id, field, holder))
+  if redis.call('HSETNX', P .. 'byreq', field, token) == 0 then
+    redis.call('HSET', P .. 'byreq', field, redis.call('HGET', P .. 'byreq', field) .. ' ' .. token)
+  end
+  if not (ob == cur and old == id) then
+    if ob then
+      local obs = int(ob)
+      redis.call('HDEL', P .. 'sticky:' .. obs, req)
+      redis.call('HINCRBY', P .. 'stickyn:' .. obs, old, '-1')
+    end
+    local curs = int(cur)
+    local key, nkey = P .. 'sticky:' .. curs, P .. 'stickyn:' .. curs
+    redis.call('HSET', key, req, id)
+    if redis.call('HINCRBY', nkey, id, '1') == 1 then
+      local expire_at = int((cur + 1) * width + ttl)
+      redis.call('PEXPIREAT', key, expire_at)
+      redis.call('PEXPIREAT', nkey, expire_at)
+    end
+  end
+  redis.call('HINCRBY', P .. 'acquires', id, '1')
+  if how == 1 then redis.call('HINCRBY', P .. 'sticky_hits', id, '1') end
+  if policy.granted then policy.granted(i, id, token) end
+  return { id, redis.call('HGET', P .. 'servers', id), how }
+end
+
+-- The acquire procedure every router shares (the core's acquire.lua and plugins' scripts).
+-- ARGV[1] holder's lease ttl (ms: its heartbeat deadline is pushed to now + this),
+-- ARGV[2] sticky bucket width (ms), ARGV[3] sticky ttl (ms), ARGV[4] buckets to search back,
+-- ARGV[5] router flag (core: 1 = full_determinism), ARGV[6] holder;
+-- then `stride` arguments per request starting at ARGV[HEAD + 1]: request id, lease token,
+-- random integer, then the router's own.
+-- `policy` is the routing policy's Lua side, a table of functions of the ARGV index i where a
+-- request's arguments start: choose(i) picks the replica for a new session (nil: none);
+-- weight(i), if given, is the request's weight (a number >= 0) for the replica's weighted
+-- load; granted(i, id, token), if given, runs after each new lease is counted (its replica's
+-- count is already +1; the lease records themselves are written when the whole batch is
+-- routed).
+-- Returns a flat array: per request, server id, JSON metadata, and 0 = balanced, 1 = sticky,
+-- 2 = retry of a granted token; or the error NOSERVERS (CONFIGMISMATCH: this process's
+-- sticky ttl is not the pinned one) before anything is written.
+-- The result and the final state are those of acquiring the requests one after another; the
+-- lookups are read up front (one HMGET per key) and the writes that commute are grouped per
+-- replica at the end, so a batch of K costs a few calls per request, not ~20.
+local function acquire_all(stride, policy)
+  local lease_ms, width, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+  local span, holder = tonumber(ARGV[4]), ARGV[6]
+  local now = now_ms()
+  local cur = math.floor(now / width)
+  -- An acquire is a heartbeat of its holder, and reaps nothing: the holders' keepers do,
+  -- in short calls of their own, so no acquire is slowed by another process's crash.
+  local refused = heartbeat(holder, now, lease_ms, ARGV[3])
+  if refused then return refused end
+  if #ARGV == HEAD + stride then
+    return acquire_one(HEAD + 1, policy, now, cur, holder, width, ttl, span)
+  end
+
+  -- Read up front: the leases of the tokens (retries) and the sticky entries of the requests.
+  local n, reqs, toks = 0, {}, {}
+  for i = HEAD + 1, #ARGV, stride do
+    n = n + 1
+    reqs[n], toks[n] = ARGV[i], ARGV[i + 1]
+  end
+  local recs = hmget(P .. 'leases', toks, n)
+  local sid, sb = {}, {}
+  local pending, np = {}, 0
+  for j = 1, n do
+    if not recs[j] then
+      np = np + 1
+      pending[np] = reqs[j]
+    end
+  end
+  LL.batch = true
+  for b = cur, cur - span, -1 do
+    if np == 0 then break end
+    local key = P .. 'sticky:' .. int(b)
+    -- A bucket that has expired (or never was) is skipped with one EXISTS, not K lookups.
+    if redis.call('EXISTS', key) == 1 then
+      local got = hmget(key, pending, np)
+      local left, nl = {}, 0
+      for j = 1, np do
+        local r = pending[j]
+        if got[j] then
+          sid[r], sb[r] = got[j], b
+        elseif sid[r] == nil then
+          nl = nl + 1
+          left[nl] = r
+        end
+      end
+      pending, np = left, nl
+    end
+  end
+  local member = {} -- server id -> its pool sorted set, or false (pool is fixed during acquire)
+  local function pool(id)
+    local zs = member[id]
+    if zs == nil then
+      zs = pool_of(id) or false
+      member[id] = zs
+    end
+    return zs
+  end
+
+  -- With no replica taking new sessions, refuse the whole batch unless each request is a
+  -- retry or sticky to a pool member (a draining one), before anything is written.
+  if not load_peek() then
+    for j = 1, n do
+      if not recs[j] and not (sid[reqs[j]] and pool(sid[reqs[j]])) then
+        return redis.error_reply('NOSERVERS no replica is accepting new sessions')
+      end
+    end
+  end
+
+  local out, no = {}, 0
+  local at = int(now)
+  local granted_tok = {} -- tokens granted earlier in this batch -> lease record
+  local lease_kv, owned_kv, nl = {}, {}, 0
+  local held, held_ids, acquires = {}, {}, {} -- per replica: {acquired at, token, ...}, count
+  local byreq, byreq_f = {}, {} -- request index field -> new tokens, in first-seen order
+  local hits, hit_ids, meta = {}, {}, {}
+  local sticky_kv, ns = {}, 0
+  local sticky_del = {} -- bucket -> request ids that left it
+  local sdelta, skeys = {}, {} -- bucket -> replica -> change in its session count
+  local function sticky_count(b, id, d)
+    local per = sdelta[b]
+    if not per then
+      per = {}
+      sdelta[b] = per
+      skeys[#skeys + 1] = b
+    end
+    per[id] = (per[id] or 0) + d
+  end
+  for j = 1, n do
+    local i = HEAD + 1 + (j - 1) * stride
+    local req, token = reqs[j], toks[j]
+    local id, how
+    local rec = granted_tok[token] or recs[j]
+    if rec then
+      id, how = server_of(rec), 2
+    else
+      local old, ob = sid[req], sb[req]
+      local zs = old and pool(old)
+      if zs then
+        id, how = old, 1
+        hits[id] = (hits[id] or 0) + 1
+        if hits[id] == 1 then hit_ids[#hit_ids + 1] = id end
+      else
+        zs, how, id = LOAD, 0, policy.choose(i)
+      end
+      local score = redis.call('ZINCRBY', zs, '1', id)
+      if zs == LOAD then load_incremented(score, id) end
+      local field = id .. SEP .. req
+      granted_tok[token] = field
+      lease_kv[nl + 1], lease_kv[nl + 2] = token, lease_record(policy, i, id, field, holder)
+      owned_kv[nl + 1], owned_kv[nl + 2], nl = at, token, nl + 2
+      local h = held[id]
+      if not h then
+        h = {}
+        held[id], acquires[id] = h, 0
+        held_ids[#held_ids + 1] = id
+      end
+      local c = acquires[id]
+      h[2 * c + 1], h[2 * c + 2], acquires[id] = at, token, c + 1
+      local t = byreq[field]
+      if t then
+        byreq[field] = t .. ' ' .. token
+      else
+        byreq[field] = token
+        byreq_f[#byreq_f + 1] = field
+      end
+      -- Sticky sessions live in time buckets of `width` ms; an entry moves to the newest bucket
+      -- on each turn and a bucket expires `ttl` ms after its end, so a session outlives its
+      -- last turn by ttl .. ttl + width (sliding TTL at the memory cost of a plain hash field).
+      if not (ob == cur and old == id) then
+        if ob then
+          if ob ~= cur then
+            local d = sticky_del[ob]
+            if not d then
+              d = {}
+              sticky_del[ob] = d
+            end
+            d[#d + 1] = req
+          end
+          sticky_count(ob, old, -1)
+        end
+        sticky_kv[ns + 1], sticky_kv[ns + 2], ns = req, id, ns + 2
+        sticky_count(cur, id, 1)
+        sid[req], sb[req] = id, cur
+      end
+      if policy.granted then policy.granted(i, id, token) end
+    end
+    local m = meta[id]
+    if m == nil then
+      m = redis.call('HGET', P .. 'servers', id)
+      meta[id] = m
+    end
+    out[no + 1], out[no + 2], out[no + 3], no = id, m, how, no + 3
+  end
+
+  -- The writes that commute, grouped: lease records, the request index, sticky buckets, stats.
+  if nl > 0 then
+    flat_call('HSET', P .. 'leases', lease_kv)
+    flat_call('ZADD', P .. 'owned:' .. holder, owned_kv)
+    for _, id in ipairs(held_ids) do
+      flat_call('ZADD', P .. 'held:' .. id, held[id])
+      redis.call('HINCRBY', P .. 'acquires', id, int(acquires[id]))
+    end
+    local prev = hmget(P .. 'byreq', byreq_f, #byreq_f)
+    local kv = {}
+    for k, field in ipairs(byreq_f) do
+      kv[2 * k - 1] = field
+      kv[2 * k] = prev[k] and (prev[k] .. ' ' .. byreq[field]) or byreq[field]
+    end
+    flat_call('HSET', P .. 'byreq', kv)
+  end
+  for _, id in ipairs(hit_ids) do redis.call('HINCRBY', P .. 'sticky_hits', id, int(hits[id])) end
+  for b, gone in pairs(sticky_del) do flat_call('HDEL', P .. 'sticky:' .. int(b), gone) end
+  if ns > 0 then
+    local curs = int(cur)
+    local key, nkey = P .. 'sticky:' .. curs, P .. 'stickyn:' .. curs
+    flat_call('HSET', key, sticky_kv)
+    local fresh = false
+    for _, b in ipairs(skeys) do
+      local nb = P .. 'stickyn:' .. int(b)
+      for id, d in pairs(sdelta[b]) do
+        local v = redis.call('HINCRBY', nb, id, int(d))
+        if b == cur and d > 0 and v == d then fresh = true end
+      end
+    end
+    if fresh then
+      local expire_at = int((cur + 1) * width + ttl)
+      redis.call('PEXPIREAT', key, expire_at)
+      redis.call('PEXPIREAT', nkey, expire_at)
+    end
+  end
+  return out
+end

@@ -1,0 +1,72 @@
+-- lib/base.lua: the key prefix, the key schema and small helpers every script uses. The loader
+-- prepends the lib/ parts a script names on its "-- uses:" line (this one always first); they
+-- read KEYS[1] only.
+--
+-- Key schema (P = KEYS[1] = "rr:{NAME}:"; every key shares the hash tag {NAME}, I7):
+--   P.."servers"        HASH  server id -> JSON metadata (the pool)
+--   P.."load"           ZSET  server id -> in-flight count, replicas that take new sessions
+--   P.."draining"       ZSET  server id -> in-flight count, replicas that only serve sticky ones
+--   P.."held:"..id      ZSET  lease token -> acquired at (ms, Redis clock): leases on one replica
+--   P.."leases"         HASH  lease token -> id.."\31"..request id.."\31"..holder, and
+--                             .."\31"..weight for a weighed lease (a policy's request weight)
+--   P.."byreq"          HASH  id.."\31"..request id -> lease tokens, space separated
+--   P.."holders"        ZSET  holder -> deadline (ms): a holder (one balancer instance in one
+--                             process) is alive while its heartbeats keep the deadline ahead
+--   P.."owned:"..h      ZSET  lease token -> acquired or renewed at (ms): the leases of holder h
+--   P.."ended"          ZSET  release key (a token or a client-made operation id) -> ended at
+--                             (ms): a resent release finds its first copy's result here
+--   P.."sticky:"..b     HASH  request id -> server id, sessions last seen in time bucket b
+--   P.."stickyn:"..b    HASH  server id -> sessions in bucket b (expires with it)
+--   P.."acquires", P.."sticky_hits", P.."reclaimed"   HASH  server id -> counter
+--   P.."config"         HASH  settings every process must share (sticky_ttl_ms)
+--   P.."weighted"       ZSET  server id -> sum of the weights of its leases (0 unless a policy
+--                             weighs requests, e.g. by prompt tokens)
+-- Invariants (docs/design.md): I1 ZSCORE load|draining id == ZCARD held:id after every script,
+-- and ZSCORE weighted id == the sum of its leases' weights; I2 every lease is in its holder's
+-- owned set, every owned token is a lease, and a holder leaves P.."holders" only once it owns
+-- nothing, so no lease is ever out of reach of reaping.
+
+local P = KEYS[1]
+local SEP = '\31'
+local LOAD = P .. 'load'
+-- ARGV[1..HEAD] of every acquire: lease ttl (ms), sticky bucket width (ms), sticky ttl (ms),
+-- buckets to search back, router flag, holder. Requests start at ARGV[HEAD + 1].
+local HEAD = 6
+-- Hot path: a redis.call costs ~0.2 us, and turning a number into a string ~0.3 us (Lua's
+-- tostring and the server's "%.17g" both go through printf for doubles), against ~0.03 us
+-- for int() below. So the acquire and release paths pass integers through int(), constants
+-- as strings, and a batch groups per replica the writes that do not depend on order.
+local fmt = string.format
+local function int(n) return fmt('%d', n) end
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- The sorted set that holds id's count, or nil when id is not in the pool.
+local function pool_of(id)
+  if redis.call('ZSCORE', P .. 'load', id) then return P .. 'load' end
+  if redis.call('ZSCORE', P .. 'draining', id) then return P .. 'draining' end
+  return nil
+end
+
+-- HMGET in chunks (Lua's unpack is limited to a few thousand values); nil for a missing field.
+local CHUNK = 2000
+local function hmget(key, fields, n)
+  local out = {}
+  for lo = 1, n, CHUNK do
+    local hi = math.min(lo + CHUNK - 1, n)
+    local got = redis.call('HMGET', key, unpack(fields, lo, hi))
+    for j = lo, hi do out[j] = got[j - lo + 1] or nil end
+  end
+  return out
+end
+
+-- cmd key a1 b1 a2 b2 ... in chunks (CHUNK is even, so pairs stay whole), for the writes a
+-- batch collects.
+local function flat_call(cmd, key, flat)
+  for lo = 1, #flat, CHUNK do
+    redis.call(cmd, key, unpack(flat, lo, math.min(lo + CHUNK - 1, #flat)))
+  end
+end
