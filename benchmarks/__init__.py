@@ -1,4 +1,4 @@
-"""Side-by-side measurements for issue 6 (performance): ``python -m benchmarks``.
+"""Side-by-side performance measurements: ``python -m benchmarks``.
 
 Every comparison runs in one process against a private server started for the run, as
 ratios of medians of interleaved repetitions: absolute times on a shared machine drift,

@@ -1,6 +1,6 @@
 """``python -m benchmarks [--quick] [--json FILE] [--server-bin PATH] [--no-ray]``
 
-Starts a private server (never the one on 6379), runs every comparison of issue 6 side by
+Starts a private server (never the one on 6379), runs every comparison side by
 side in this process, prints the table and optionally writes it as JSON.
 """
 

@@ -35,7 +35,7 @@ class Sizes:
 class Row:
     """One line of the table: ``value`` against ``baseline_value`` (or alone, ``ratio`` None).
 
-    ``target`` is the issue's bound on ``ratio`` (or on ``value`` when there is no baseline):
+    ``target`` is the bound on ``ratio`` (or on ``value`` when there is no baseline):
     ("<=", 1.3) or (">=", 10). Rows without a target are context for the others.
     """
 

@@ -24,7 +24,7 @@ def servers(n: int) -> dict[str, str]:
 
 
 def pair_loop(lb: RedisLoadBalancer) -> Callable[[int], None]:
-    """n acquire + release pairs through the seed's protocol (acquire_server / release_server)."""
+    """n acquire + release pairs through verl's protocol (acquire_server / release_server)."""
 
     def run(n: int) -> None:
         acquire, release = lb.acquire_server, lb.release_server

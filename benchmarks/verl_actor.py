@@ -1,6 +1,6 @@
 """The baseline users run today: verl's GlobalRequestLoadBalancer, hosted in one Ray actor.
 
-Faithful to the seed (verl/workers/rollout/llm_server.py after the random tie-break fix):
+Faithful to verl's own balancer (verl/workers/rollout/llm_server.py after the random tie-break fix):
 a sticky dict request id -> server id, an in-flight count per server, least-loaded with
 ``random.choice`` among the equal minima; every AgentLoopWorker calls the one actor.
 Like verl's client, workers await the acquire and send the release fire-and-forget.

@@ -29,8 +29,8 @@ Routers: ``random`` (uniform over the replicas taking new sessions, sticky like 
 Report per workload and router: token hit rate (cached prompt tokens / prompt tokens), load
 balance (mean over samples taken while the pool is busy, i.e. at least 3/4 of the sessions
 in flight, of max/mean in-flight per replica), throughput (requests per simulated second) and
-median acquire latency. Then the issue's targets, and an acquire benchmark with a 4k-token
-prompt (prefix-cache vs the default router, interleaved, medians).
+median acquire latency. Then the targets the router is held to, and an acquire benchmark with
+a 4k-token prompt (prefix-cache vs the default router, interleaved, medians).
 """
 
 from __future__ import annotations
@@ -387,7 +387,7 @@ def acquire_benchmark(
     """Median ACQUIRE time (µs; the release that follows each is common to both routers and
     not timed) of the default router, and of prefix-cache with a ``tokens``-token prompt seen
     before (a GRPO group's repeat) and one never seen, plus each one's ratio to the default
-    (issue 7's target: <= 2). One client, one server; the three run interleaved in a shuffled
+    (target: <= 2). One client, one server; the three run interleaved in a shuffled
     order each round, so machine noise hits all alike. Not a test: a figure for the report."""
     from redis_router.plugins.prefix_cache import PrefixCacheRouter
 
@@ -490,7 +490,7 @@ def table(results: Sequence[Result]) -> str:
 
 
 def targets(results: Sequence[Result], bench: dict[str, float] | None) -> list[str]:
-    """The issue's targets, checked against this run's figures."""
+    """The prefix-cache targets, checked against this run's figures."""
     by = {(r.workload, r.router): r for r in results}
     lines = []
     g_pc, g_ll = by.get(("grpo", "prefix-cache")), by.get(("grpo", "least-loaded"))

@@ -1,4 +1,4 @@
-"""The benchmark entry point still runs and still reports every comparison of issue 6.
+"""The benchmark entry point still runs and still reports every comparison it names.
 
 Structure only: timings on a shared machine prove nothing in a test, so no number is
 compared with a target here (``python -m benchmarks`` does that and prints PASS / FAIL).

@@ -52,7 +52,7 @@ def test_idle_pool_spreads_with_system_entropy(make_lb):
 
 def test_fairness_check_catches_the_first_candidate_avalanche(make_lb):
     seen = fan_out(make_lb(SERVERS, rng=FirstCandidate()))
-    assert len(seen) == 1  # every session on one replica: the avalanche of the seed PR
+    assert len(seen) == 1  # every session on one replica: the avalanche the random tie-break ends
     assert not invariants.fair(seen, 200, 4)
 
 
