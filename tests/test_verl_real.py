@@ -41,9 +41,11 @@ if importlib.util.find_spec("verl") is None:
         raise RuntimeError(f"REDIS_ROUTER_REQUIRE_VERL is set but verl is missing: {INSTALL}")
     pytest.skip(f"verl is not installed ({INSTALL})", allow_module_level=True)
 ray = pytest.importorskip("ray")
+# verl's engine registry warns about every training backend it lacks; none is used here.
+pytestmark = pytest.mark.filterwarnings("ignore:.* engine is not available:UserWarning")
 
 # verl's server ids are the replicas' addresses, ip:port.
-IDS = [f"10.0.0.{i}:8000" for i in range(6)]
+IDS = [f"10.0.0.{i}:8000" for i in range(4)]
 # The slice of verl's trainer config that its LLM-server clients read.
 CLIENT_CONFIG = {
     "actor_rollout_ref": {"rollout": {"name": "vllm", "full_determinism": False}},
@@ -133,7 +135,7 @@ def redis_server() -> Iterator[LocalServer]:
 @pytest.fixture(scope="module")
 def cluster(redis_server: LocalServer) -> Iterator[SimpleNamespace]:
     """Local Ray whose processes (and verl's YAML resolution in this driver) see REDIS_URL;
-    six replicas and two agent workers, shared by the tests."""
+    four replicas and two agent workers, shared by the tests."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("REDIS_URL", redis_server.url)  # before ray.init: Ray's workers inherit it
         mp.delenv("VERL_FULL_DETERMINISM", raising=False)
@@ -263,7 +265,7 @@ def test_fully_async_client_waits_on_an_empty_pool_until_replicas_come_back(
     pending = w[1].generate.remote(router, "patient", [1], fully_async=True)
     ready, _ = ray.wait([pending], timeout=3)
     assert ready == []  # still waiting, retrying every second as verl does
-    sid = cluster.ids[4]
+    sid = cluster.ids[3]
     ray.get(router.add_servers.remote({sid: cluster.replicas[sid]}))
     assert ray.get(pending, timeout=60) == sid
     assert wait_for(lambda: ray.get(router.get_total_inflight.remote()), 0) == 0
@@ -303,7 +305,7 @@ def test_clear_sticky_cache_report_read_by_verls_rollouter(cluster, make_router,
 
 
 def test_two_jobs_on_one_redis_each_get_only_their_own_replicas(cluster, make_router, r):
-    job_a, job_b = pick(cluster, 0, 1, 2), pick(cluster, 3, 4, 5)
+    job_a, job_b = pick(cluster, 0, 1), pick(cluster, 2, 3)
     router_a, router_b = make_router(job_a), make_router(job_b)
     name_a = name_of(router_a)
     assert name_a != name_of(router_b)
@@ -316,15 +318,14 @@ def test_two_jobs_on_one_redis_each_get_only_their_own_replicas(cluster, make_ro
     assert ray.get(router_b.get_all_servers.remote()) == sorted(job_b)
     # Job A restarts with the same replicas: its own pool again, sessions still sticky, and
     # a replica the old router had added (a hybrid one) is gone.
-    ray.get(router_a.add_servers.remote(pick(cluster, 3)))
+    ray.get(router_a.add_servers.remote(pick(cluster, 3)))  # B's replica, known to A too
     ray.kill(router_a)
     restarted = make_router(job_a)
     assert name_of(restarted) == name_a
     assert ray.get(restarted.get_all_servers.remote()) == sorted(job_a)
-    assert (
-        ray.get([w[1].generate.remote(restarted, f"a{i}", [1, 2]) for i in range(15)])
-        == (served[:15])
-    )
+    again = ray.get([w[1].generate.remote(restarted, f"a{i}", [1, 2]) for i in range(15)])
+    assert again == served[:15]
+    assert ray.get(router_b.get_all_servers.remote()) == sorted(job_b)  # B's pool untouched
 
 
 def test_a_shared_pool_never_hands_a_job_another_jobs_replica(cluster, make_router, r, tmp_path):
