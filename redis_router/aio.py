@@ -136,6 +136,7 @@ class AsyncRedisLoadBalancer:
                     raise error from None
             for pool in stale_pools(self._client):
                 await pool.disconnect(inuse_connections=False)
+            assert pause is not None  # the last try raised above
             await asyncio.sleep(pause)
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -153,7 +154,8 @@ class AsyncRedisLoadBalancer:
             while True:
                 call = op.send(await self._exec(call))
         except StopIteration as stop:
-            return stop.value
+            result: T = stop.value
+            return result
 
     async def _run(self, op: Op[T]) -> T:
         if not _succeeded(self._setup):

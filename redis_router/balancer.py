@@ -132,6 +132,7 @@ class RedisLoadBalancer:
                     raise error from None
             for pool in stale_pools(self._client):
                 pool.disconnect(inuse_connections=False)
+            assert pause is not None  # the last try raised above
             time.sleep(pause)
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -174,7 +175,8 @@ class RedisLoadBalancer:
             while True:
                 call = op.send(self._exec(call))
         except StopIteration as stop:
-            return stop.value
+            result: T = stop.value
+            return result
 
     # -- routing ---------------------------------------------------------------------------
 

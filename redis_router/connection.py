@@ -7,11 +7,13 @@ Schemes, as the ``limits`` library spells them: ``redis://``, ``rediss://``, ``u
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import re
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -83,7 +85,9 @@ def transient(exc: Exception) -> bool:
     return bool(_TRANSIENT.search(str(exc)))
 
 
-def send_failure(exc: Exception, url: str, script_error: Any, final: bool) -> Exception | None:
+def send_failure(
+    exc: Exception, url: str, script_error: Callable[[Exception], Exception], final: bool
+) -> Exception | None:
     """What a failed script call means, for the sync and async balancers alike: the exception
     to raise, or None when nothing was written and the call should be resent after a pause
     (``final``: no pause is left)."""
@@ -128,14 +132,17 @@ def sentinel_check_due(client: Any) -> Any | None:
     return pool
 
 
+def _redis_module(name: str, asyncio: bool) -> Any:
+    """redis-py's sync module ``redis<name>`` or its asyncio twin ``redis.asyncio<name>``
+    (they mirror each other name for name)."""
+    return importlib.import_module(("redis.asyncio" if asyncio else "redis") + name)
+
+
 def _retry(asyncio: bool) -> Any:
     from redis.backoff import ExponentialBackoff
 
-    if asyncio:
-        from redis.asyncio.retry import Retry
-    else:
-        from redis.retry import Retry
-    return Retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES)
+    retry = _redis_module(".retry", asyncio).Retry
+    return retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES)
 
 
 def _hosts(netloc: str, default_port: int) -> list[tuple[str, int]]:
@@ -155,17 +162,8 @@ def connect(url: str, *, asyncio: bool = False) -> Any:
             + ", ".join(f"{s}://" for s in SCHEMES)
         )
     opts = dict(CLIENT_OPTIONS, decode_responses=True, retry=_retry(asyncio))
-    if asyncio:
-        import redis.asyncio as r
-        from redis.asyncio.cluster import ClusterNode, RedisCluster
-        from redis.asyncio.sentinel import Sentinel
-    else:
-        import redis as r
-        from redis.cluster import ClusterNode, RedisCluster
-        from redis.sentinel import Sentinel
-
     if scheme in ("redis", "rediss", "unix"):
-        return r.Redis.from_url(url, **opts)
+        return _redis_module("", asyncio).Redis.from_url(url, **opts)
 
     parts = urlsplit(url)
     netloc = parts.netloc.rsplit("@", 1)[-1]
@@ -173,9 +171,12 @@ def connect(url: str, *, asyncio: bool = False) -> Any:
     username = unquote(parts.username) if parts.username else None
     query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
     if scheme == "redis+cluster":
-        nodes = [ClusterNode(h, p) for h, p in _hosts(netloc, 6379)]
+        cluster = _redis_module(".cluster", asyncio)
+        nodes = [cluster.ClusterNode(h, p) for h, p in _hosts(netloc, 6379)]
         opts.pop("retry")  # RedisCluster retries by itself (MOVED, failover)
-        return RedisCluster(startup_nodes=nodes, password=password, username=username, **opts)
+        return cluster.RedisCluster(
+            startup_nodes=nodes, password=password, username=username, **opts
+        )
     path = [p for p in parts.path.split("/") if p]
     if not path:
         raise ValueError(
@@ -185,7 +186,7 @@ def connect(url: str, *, asyncio: bool = False) -> Any:
     sentinel_kw = {}
     if "sentinel_password" in query:
         sentinel_kw["password"] = query["sentinel_password"]
-    sentinel = Sentinel(
+    sentinel = _redis_module(".sentinel", asyncio).Sentinel(
         _hosts(netloc, 26379),
         sentinel_kwargs=dict(CLIENT_OPTIONS, **sentinel_kw),
         **CLIENT_OPTIONS,

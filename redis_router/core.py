@@ -300,8 +300,8 @@ class BalancerCore:
             args = [policy.request_args(f) for f in fields]
         if n == 1 and policy.arity == 0 and (tokens is None or len(tokens) == 1):
             token = tokens[0] if tokens else new_token()  # the common case, without loops
-            args = (*self._acquire_head, request_ids[0], token, str(rand(RAND_BITS)))
-            sid, meta, how = yield Call(script, args)
+            argv = (*self._acquire_head, request_ids[0], token, str(rand(RAND_BITS)))
+            sid, meta, how = yield Call(script, argv)
             sid = _str(sid)
             return [Grant(sid, self.handle(sid, meta), request_ids[0], token, how == 1)]
         tokens = tokens or new_tokens(n)
@@ -339,7 +339,7 @@ class BalancerCore:
 
     def renew(self, token: str) -> Op[bool]:
         """Restart the lease's age (max_lease_age); liveness needs no renewal."""
-        return (yield Call(load("renew"), (token,))) == 1
+        return bool((yield Call(load("renew"), (token,))) == 1)
 
     def heartbeat(self) -> Op[Heartbeat]:
         """Keep every lease of this holder alive for lease_ttl more, end those older than
