@@ -282,6 +282,16 @@ def test_as_load_balancer_cls(cluster, make_router, r):
     assert wait_for(lambda: ray.get(router.get_total_inflight.remote()), 0) == 0
 
 
+def test_full_determinism_comes_from_the_drivers_environment(cluster, make_router, r):
+    """verl passes rollout.full_determinism only to its own balancer; verl.yaml reads it from
+    VERL_FULL_DETERMINISM, resolved in the driver like the rest of the file."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VERL_FULL_DETERMINISM", "true")
+        router = make_router(pick(cluster, 0, 1), full_determinism=True)
+    assert ray.get(router.get_status.remote())["full_determinism"] is True
+    assert ray.get(make_router(pick(cluster, 2)).get_status.remote())["full_determinism"] is False
+
+
 def test_clear_sticky_cache_report_read_by_verls_rollouter(cluster, make_router, r):
     from verl.experimental.fully_async_policy.fully_async_rollouter import FullyAsyncRollouter
 
