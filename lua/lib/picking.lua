@@ -11,7 +11,9 @@
 local LL = {}
 local LEVEL_MAX = 128
 
-local PEEK = 8
+-- Replicas read by load_peek: a level of up to PEEK - 1 tied replicas (a whole pool of 8, or
+-- the least loaded few of a busy pool) is known from that one call.
+local PEEK = 9
 
 -- Read the minimum and the replicas at the lowest ranks, in one call. When the lowest level
 -- ends within them (or they are the whole pool) its size and members are known, so the pick
