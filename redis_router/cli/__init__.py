@@ -40,6 +40,9 @@ COMMANDS: dict[str, Command] = {
     "reap": Command("redis_router.cli.pool:reap", "reclaim the leases of dead workers now"),
     "demo": Command("redis_router.demo", "run simulated agent sessions, old vs new tie-break"),
     "exporter": Command("redis_router.cli.exporter", "serve Prometheus metrics over HTTP"),
+    "kv-events": Command(
+        "redis_router.cli.kv_events", "keep the exact KV-block index from the replicas' events"
+    ),
     "simulate": Command(
         "redis_router.simulate", "compare routers on simulated replicas with KV caches"
     ),

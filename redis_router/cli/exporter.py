@@ -15,6 +15,9 @@ never staler than the scrape and an idle exporter costs Redis nothing). Per repl
 and per balancer ``redis_router_up`` (1 if Redis answered this scrape) and
 ``redis_router_replicas`` (and, where the status reports worker processes,
 ``redis_router_holders`` by ``state`` live|dead and ``redis_router_leases_awaiting_reclaim``).
+For replicas whose metadata names a KV-events publisher (docs/kv_events.md):
+``redis_router_kv_index_exact`` (1 while routing may trust the exact index),
+``redis_router_kv_index_blocks`` and ``redis_router_kv_index_degraded`` by ``reason``.
 A scrape only reads: it never writes to Redis. Counters restart at 0 when a replica is removed
 and re-added, which Prometheus's rate() treats as a counter reset.
 """
@@ -109,6 +112,39 @@ class BalancerCollector:
             for sid, r in replicas.items():
                 c.add_metric([self.name, sid], float(r[field]))
             yield c
+        yield from self._kv_index({sid: r["metadata"] for sid, r in replicas.items()})
+
+    def _kv_index(self, metadata: dict[str, Any]) -> Iterator[Any]:
+        """The exact KV-block index's state per replica with a publisher."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        from ..kv_events.state import index_states
+
+        states = {
+            sid: s
+            for sid, s in index_states(self._balancer.client, self.name, metadata).items()
+            if s["state"] != "off"
+        }
+        if not states:
+            return
+        labels = ["balancer", "replica"]
+        exact = GaugeMetricFamily(
+            "redis_router_kv_index_exact", "1 while the replica's KV index is exact.", labels=labels
+        )
+        blocks = GaugeMetricFamily(
+            "redis_router_kv_index_blocks", "KV blocks indexed for the replica.", labels=labels
+        )
+        degraded = GaugeMetricFamily(
+            "redis_router_kv_index_degraded",
+            "1 for a replica whose KV index is degraded, by reason.",
+            labels=[*labels, "reason"],
+        )
+        for sid, s in states.items():
+            exact.add_metric([self.name, sid], float(s["state"] == "exact"))
+            blocks.add_metric([self.name, sid], float(s["blocks"]))
+            if s["reason"]:
+                degraded.add_metric([self.name, sid, s["reason"]], 1.0)
+        yield from (exact, blocks, degraded)
 
     def close(self) -> None:
         self._balancer.client.close()

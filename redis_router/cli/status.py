@@ -79,8 +79,32 @@ def render(snap: dict[str, Any], *, clock: str | None = None) -> str:
         ]
         lines.append("  ".join(cells).rstrip())
     lines.append(f"{t['active']} active, {t['draining']} draining, {t['drained']} drained")
+    lines += kv_index_lines(snap)
     lines += hints(snap)
     return "\n".join(lines)
+
+
+def with_kv_index(balancer: Balancer, snap: dict[str, Any]) -> dict[str, Any]:
+    """Add each replica's exact-index state (``kv_index``) where its metadata names a
+    KV-events publisher (docs/kv_events.md)."""
+    from ..kv_events.state import index_states
+
+    meta = {sid: r["metadata"] for sid, r in snap["replicas"].items()}
+    for sid, state in index_states(balancer.client, balancer.name, meta).items():
+        if state["state"] != "off":
+            snap["replicas"][sid]["kv_index"] = state
+    return snap
+
+
+def kv_index_lines(snap: dict[str, Any]) -> list[str]:
+    """One line per replica with a KV-events publisher: exact, or degraded and why."""
+    out = []
+    for sid, r in snap["replicas"].items():
+        kv = r.get("kv_index")
+        if kv:
+            why = f" ({kv['reason']})" if kv["reason"] else ""
+            out.append(f"kv index {sid}: {kv['state']}{why}, {kv['blocks']} blocks")
+    return out
 
 
 def hints(snap: dict[str, Any]) -> list[str]:
@@ -110,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--interval must be > 0 seconds, got {args.interval:g}")
     with open_balancer(args) as balancer:
         if not args.watch:
-            snap = snapshot(balancer)
+            snap = with_kv_index(balancer, snapshot(balancer))
             print(json.dumps(snap) if args.json else render(snap))
             return 0
         return _watch(balancer, args)
@@ -124,7 +148,7 @@ def _watch(balancer: Balancer, args: argparse.Namespace) -> int:
         while True:
             clock = time.strftime("%H:%M:%S")
             try:
-                snap = snapshot(balancer)
+                snap = with_kv_index(balancer, snapshot(balancer))
                 frame = json.dumps(snap) if args.json else render(snap, clock=clock)
             except RedisUnavailable as exc:
                 frame = json.dumps({"error": str(exc)}) if args.json else f"{clock} {exc}"
