@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .harness import fmt_value
+
 HERE = Path(__file__).resolve().parent.parent
 
 
@@ -80,13 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fmt(value: float, unit: str, key: str) -> str:
-    if key == "ratio":
-        return f"{value:.2f}x"
-    if unit == "s":
-        return f"{value * 1e6:.1f} us"
-    if unit == "pairs/s":
-        return f"{value:,.0f}/s"
-    return f"{value:.1f} {unit}"
+    return f"{value:.2f}x" if key == "ratio" else fmt_value(value, unit)
 
 
 if __name__ == "__main__":
