@@ -367,7 +367,7 @@ def test_reap_reclaims_the_leases_of_a_dead_worker(server, make_lb, r):
     assert lb.get_total_inflight() == 3
     proc = run_cli("--name", lb.name, "reap", redis=server.url)
     assert proc.returncode == 0, proc.stderr
-    assert "reclaimed 3 expired lease(s)" in proc.stdout
+    assert "reclaimed 3 lease(s) of dead processes" in proc.stdout
     assert invariants.check(r, lb.name) == dict.fromkeys(SERVERS, 0)
     assert sum(x["reclaimed"] for x in lb.get_status()["replicas"].values()) == 3
 

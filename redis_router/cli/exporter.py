@@ -10,7 +10,8 @@ never staler than the scrape and an idle exporter costs Redis nothing). Per repl
     redis_router_sticky_sessions          gauge    live sticky sessions pinned to the replica
     redis_router_acquires_total           counter  requests routed to the replica
     redis_router_sticky_hits_total        counter  of which, later turns of a sticky session
-    redis_router_reclaimed_leases_total   counter  expired leases reclaimed (holders died)
+    redis_router_reclaimed_leases_total   counter  leases reclaimed (their process died, or
+                                                   they outlived max_lease_age)
 
 and per balancer ``redis_router_up`` (1 if Redis answered this scrape) and
 ``redis_router_replicas`` (and, where the status reports worker processes,

@@ -130,7 +130,7 @@ def _reap_arguments(parser: argparse.ArgumentParser) -> None:
 def _reap(args: argparse.Namespace) -> int:
     with open_balancer(args) as b:
         n = b.run(b.core().reap())
-    print(f"reclaimed {n} expired lease(s) of balancer {b.name!r}")
+    print(f"reclaimed {n} lease(s) of dead processes in balancer {b.name!r}")
     return 0
 
 

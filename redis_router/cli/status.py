@@ -118,14 +118,10 @@ def hints(snap: dict[str, Any]) -> list[str]:
     if drained:
         ids = " ".join(shlex.quote(s) for s in drained)
         out.append(f"safe to remove (drained, nothing in flight): `{cli} servers remove {ids}`")
-    holders = snap.get("holders")
-    if holders is not None:
-        waiting, dead = holders.get("awaiting_reclaim", 0), holders.get("dead", 0)
-        if waiting > 0:
-            out.append(f"{waiting} lease(s) of {dead} dead process(es) await reclaim: `{cli} reap`")
-    elif t["inflight"] > t["live_leases"]:
-        expired = t["inflight"] - t["live_leases"]
-        out.append(f"{expired} expired lease(s) still counted in flight: `{cli} reap`")
+    holders = snap.get("holders") or {}
+    waiting, dead = holders.get("awaiting_reclaim", 0), holders.get("dead", 0)
+    if waiting > 0:
+        out.append(f"{waiting} lease(s) of {dead} dead process(es) await reclaim: `{cli} reap`")
     return out
 
 
