@@ -5,8 +5,9 @@
 --          With a token, that lease ends (the token decides the replica). With a request id,
 --          the oldest lease of that request on that replica ends; with neither, the oldest
 --          lease on that replica.
--- Returns  per quad, 1 if a lease ended, by this call or by an earlier copy of it (a resend
---          after a timeout), 0 if there was none (released twice, reclaimed, unknown or
+-- Returns  per quad: the token of the lease it ended (so the client knows which, also for a
+--          release by request id or replica), 1 if an earlier copy of this call ended it (a
+--          resend after a timeout), 0 if there was none (released twice, reclaimed, unknown or
 --          removed replica: a harmless no-op, I6).
 -- Keeps    I1 (count -1 with its lease, never below 0), I2, I6. Safe to resend: the
 --          operation id is remembered in P.."ended" (trimmed by heartbeat.lua), so a second
@@ -33,7 +34,7 @@ local function release(id, req, token, op)
   end_lease(token, rec, toks)
   now = now or now_ms()
   redis.call('ZADD', P .. 'ended', now, op)
-  return 1
+  return token
 end
 
 local out = {}

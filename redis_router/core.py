@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
@@ -28,6 +29,11 @@ Op = Generator["Call", Any, T]
 REAP_CHUNK = 8
 # Heartbeats per lease_ttl: a holder survives three lost or late heartbeats in a row.
 HEARTBEATS_PER_TTL = 4
+# A lease younger than this (ms, Redis clock) is never ended by reconcile(): its grant may
+# still be on its way to the process (coalesced, or in a slow reply).
+RECONCILE_GRACE_MS = 60_000
+# Extra slack (s) before a token held locally is forgotten because Redis no longer has it.
+RECONCILE_MARGIN = 30.0
 # How long a release's key is remembered (ms), so that a copy resent after a timeout (redis-py
 # retries within ~15 s) reports the first copy's result and ends nothing else.
 RESEND_WINDOW_MS = 30_000
@@ -221,6 +227,9 @@ class BalancerCore:
         """Take a fresh holder id (at construction, and in a forked child: a child must not
         keep its parent's leases alive, nor have its own reclaimed when the parent exits)."""
         self.holder = new_holder()
+        # Tokens of the leases this holder holds (token -> when granted, monotonic s): what
+        # reconcile() compares with Redis. Released tokens leave it before the release is sent.
+        self.held: dict[str, float] = {}
         self._acquire_head = (
             str(self.lease_ms),
             str(self.width_ms),
@@ -303,6 +312,7 @@ class BalancerCore:
             argv = (*self._acquire_head, request_ids[0], token, str(rand(RAND_BITS)))
             sid, meta, how = yield Call(script, argv)
             sid = _str(sid)
+            self.held[token] = time.monotonic()
             return [Grant(sid, self.handle(sid, meta), request_ids[0], token, how == 1)]
         tokens = tokens or new_tokens(n)
         flat: list[Any] = list(self._acquire_head)
@@ -315,7 +325,8 @@ class BalancerCore:
             for rid, token, extra in zip(request_ids, tokens, args, strict=True):
                 flat += (rid, token, str(rand(RAND_BITS)), *extra)
         raw = yield Call(script, tuple(flat))
-        handle = self.handle
+        handle, now = self.handle, time.monotonic()
+        self.held.update((token, now) for token in tokens)
         return [
             Grant(sid, handle(sid, meta), rid, token, how == 1)
             for sid, meta, how, rid, token in zip(
@@ -331,15 +342,44 @@ class BalancerCore:
         Each gets an operation id, made here, before the first send: a copy resent after a
         timeout is recognised by it, reports the first copy's result and ends nothing more."""
         flat: list[str] = []
+        held = self.held
         for (server_id, request_id, token), op in zip(
             releases, new_operations(len(releases)), strict=True
         ):
             flat += (server_id, request_id or "", token or "", op)
-        return [done == 1 for done in (yield Call(self._release, tuple(flat)))]
+            if token:
+                held.pop(token, None)  # let go even if the call fails: reconcile() ends it
+        done = []
+        for outcome in (yield Call(self._release, tuple(flat))):
+            if isinstance(outcome, (str, bytes)):  # a release by request or replica: its token
+                held.pop(_str(outcome), None)
+            done.append(outcome != 0)
+        return done
 
     def renew(self, token: str) -> Op[bool]:
         """Restart the lease's age (max_lease_age); liveness needs no renewal."""
+        if token in self.held:
+            self.held[token] = time.monotonic()
         return bool((yield Call(load("renew"), (token,))) == 1)
+
+    def reconcile(self) -> Op[int]:
+        """End the leases Redis counts for this holder but the process no longer holds: a
+        release lost in a failover (asynchronous replication), or one that failed in an outage
+        after the caller gave up, or an acquire whose reply never came. Only leases older than
+        RECONCILE_GRACE_MS are compared, so a grant still on its way back is never taken for
+        one. Returns how many leases ended."""
+        owned = [_str(t) for t in (yield Call(load("owned"), (self.holder, RECONCILE_GRACE_MS)))]
+        held = self.held
+        stale = [t for t in owned if t not in held]
+        # Forget tokens Redis no longer has (released by request id in a resent call, ended
+        # by another process): only those held locally for longer than Redis was asked about.
+        cutoff = time.monotonic() - RECONCILE_GRACE_MS / 1000 - RECONCILE_MARGIN
+        in_redis = set(owned)
+        for token in [t for t, at in held.items() if at < cutoff and t not in in_redis]:
+            del held[token]
+        if not stale:
+            return 0
+        return int((yield Call(load("forget"), (self.holder, RECONCILE_GRACE_MS, *stale))))
 
     def heartbeat(self) -> Op[Heartbeat]:
         """Keep every lease of this holder alive for lease_ttl more, end those older than

@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .core import BalancerCore, Heartbeat
+from .core import HEARTBEATS_PER_TTL, BalancerCore, Heartbeat
 from .errors import RedisRouterError
 
 log = logging.getLogger("redis_router")
@@ -92,6 +92,8 @@ def beat_sync(ref: weakref.ref[Any]) -> bool:
         return False
     try:
         report(lb._core, lb._run(lb._core.heartbeat()))
+        if _reconcile_due(lb):
+            report_reconciled(lb._core, lb._run(lb._core.reconcile()))
     except RedisRouterError as exc:  # Redis unreachable, settings changed: try next period
         log.warning("balancer %r: heartbeat failed: %s", lb._core.name, exc)
     return True
@@ -106,7 +108,26 @@ async def keep_alive_async(ref: weakref.ref[Any], period: float) -> None:
             return
         try:
             report(lb._core, await lb._run(lb._core.heartbeat()))
+            if _reconcile_due(lb):
+                report_reconciled(lb._core, await lb._run(lb._core.reconcile()))
         except RedisRouterError as exc:  # Redis unreachable, settings changed: next period
             log.warning("balancer %r: heartbeat failed: %s", lb._core.name, exc)
         finally:
             del lb  # hold no reference while sleeping
+
+
+def _reconcile_due(lb: Any) -> bool:
+    """Every HEARTBEATS_PER_TTL-th heartbeat (once per lease_ttl) compares the leases."""
+    lb._beats = getattr(lb, "_beats", 0) + 1
+    return bool(lb._beats % HEARTBEATS_PER_TTL == 0)
+
+
+def report_reconciled(core: BalancerCore, ended: int) -> None:
+    if ended:
+        log.warning(
+            "balancer %r: ended %d lease(s) Redis still counted for this process although it "
+            "no longer held them (a release lost in a failover or an outage, or an acquire "
+            "whose reply never arrived)",
+            core.name,
+            ended,
+        )

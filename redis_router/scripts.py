@@ -33,6 +33,8 @@ NAMES = (
     "counts",
     "heartbeat",
     "retire",
+    "owned",
+    "forget",
 )
 
 

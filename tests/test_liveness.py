@@ -11,11 +11,12 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 import redis
 
-from redis_router import AsyncRedisLoadBalancer, RedisLoadBalancer
+from redis_router import AsyncRedisLoadBalancer, RedisLoadBalancer, RedisUnavailable, core
 from redis_router.core import HEARTBEATS_PER_TTL, OPTION_DEFAULTS, REAP_CHUNK
 from redis_router.local_server import LocalServer, first_server_binary
 from redis_router.scripts import load
@@ -205,3 +206,62 @@ def test_a_forked_child_holds_its_leases_under_its_own_holder(server, r):
     holders, count = out[:2], out[2]
     assert len(set(holders)) == 2, out
     assert count == "1", out  # the parent's lease was reclaimed; the child's lives on
+
+
+def _raw_state(server: Any, name: str) -> dict[bytes, bytes]:
+    with server.client() as raw:
+        return {k: raw.dump(k) for k in raw.keys(invariants.prefix(name).encode() + b"*")}
+
+
+def _restore(server: Any, state: dict[bytes, bytes]) -> None:
+    with server.client() as raw:
+        for k, v in state.items():
+            raw.restore(k, 0, v, replace=True)
+
+
+def test_a_release_lost_in_a_failover_is_ended_by_reconciling(make_lb, server, r, monkeypatch):
+    monkeypatch.setattr(core, "RECONCILE_GRACE_MS", 200)
+    lb = make_lb(SERVERS, lease_ttl=30.0)
+    kept, lost = lb.acquire("kept"), lb.acquire("lost")
+    before_release = _raw_state(server, lb.name)
+    assert lost.release()
+    _restore(server, before_release)  # the new master never saw the release (async replication)
+    assert lb.get_total_inflight() == 2  # counted, though nobody holds it
+    time.sleep(0.3)
+    assert lb._run(lb._core.reconcile()) == 1  # what the keeper runs once per lease_ttl
+    assert lb.get_total_inflight() == 1 and kept.release()  # the lease still held stays
+    assert invariants.check(r, lb.name) == {"s0": 0, "s1": 0}
+
+
+def test_a_release_that_failed_in_an_outage_is_ended_by_reconciling(make_lb, r, monkeypatch):
+    monkeypatch.setattr(core, "RECONCILE_GRACE_MS", 200)
+    lb = make_lb(SERVERS, lease_ttl=30.0)
+    lease = lb.acquire("x")
+    real_send = lb._send
+
+    def dropped(call: Any) -> Any:
+        raise redis.exceptions.ConnectionError("injected: connection dropped")
+
+    monkeypatch.setattr(lb, "_send", dropped)
+    with pytest.raises(RedisUnavailable):
+        lease.release()  # the caller gives up; Redis still counts the lease
+    monkeypatch.setattr(lb, "_send", real_send)
+    assert lb.get_total_inflight() == 1
+    assert lb._run(lb._core.reconcile()) == 0  # younger than the grace: left alone
+    time.sleep(0.3)
+    assert lb._run(lb._core.reconcile()) == 1
+    assert invariants.check(r, lb.name) == {"s0": 0, "s1": 0}
+
+
+def test_reconciling_never_ends_a_lease_the_process_holds(make_lb, r, monkeypatch):
+    monkeypatch.setattr(core, "RECONCILE_GRACE_MS", 100)
+    lb = make_lb(SERVERS, lease_ttl=0.2)
+    leases = [lb.acquire(f"held-{i}") for i in range(5)]
+    by_request = lb.acquire_server("by-request")
+    time.sleep(0.8)  # several heartbeats, each fourth of them reconciling
+    assert lb._run(lb._core.reconcile()) == 0
+    assert lb.get_total_inflight() == 6
+    assert lb.release_server(by_request[0], "by-request")
+    assert all(lease.release() for lease in leases)
+    assert lb._core.held == {}  # every token the process held is gone from its ledger
+    invariants.check(r, lb.name)
