@@ -19,7 +19,8 @@ for b = cur + 1, cur - span, -1 do
   n = n + redis.call('DEL', P .. 'sticky:' .. b, P .. 'stickyn:' .. b)
 end
 for _, k in ipairs({ 'servers', 'load', 'draining', 'leases', 'byreq', 'holders', 'ended',
-                     'acquires', 'sticky_hits', 'reclaimed', 'config', 'weights', 'weighted' }) do
+                     'acquires', 'sticky_hits', 'reclaimed', 'repins', 'config', 'weights',
+                     'weighted' }) do
   n = n + redis.call('DEL', P .. k)
 end
 return n

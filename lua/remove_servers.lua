@@ -17,5 +17,6 @@ for _, id in ipairs(ARGV) do
   redis.call('HDEL', P .. 'acquires', id)
   redis.call('HDEL', P .. 'sticky_hits', id)
   redis.call('HDEL', P .. 'reclaimed', id)
+  redis.call('HDEL', P .. 'repins', id)
 end
 return removed

@@ -3,7 +3,8 @@
 -- ARGV[1]  sticky bucket width (ms)    ARGV[2]  buckets to search back
 -- Returns  { sticky session total, now (ms), rows, holders } where each row is
 --          { id, in-flight, draining (0/1), leases, sticky sessions, acquires,
---            sticky hits, reclaimed, JSON metadata } and holders is { live, dead, leases of
+--            sticky hits, reclaimed, JSON metadata, sticky sessions re-pinned away from it
+--            by the affinity margin } and holders is { live, dead, leases of
 --          dead holders awaiting reclaim }
 -- Keeps    read only.
 -- Uses     lib/base
@@ -33,6 +34,7 @@ for d, zs in ipairs({ 'load', 'draining' }) do
       tonumber(redis.call('HGET', P .. 'sticky_hits', id) or 0),
       tonumber(redis.call('HGET', P .. 'reclaimed', id) or 0),
       redis.call('HGET', P .. 'servers', id),
+      tonumber(redis.call('HGET', P .. 'repins', id) or 0),
     }
   end
 end

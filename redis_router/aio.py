@@ -89,6 +89,8 @@ class AsyncRedisLoadBalancer:
         rng: random.Random | None = None,
         policy: RoutingPolicy | type[RoutingPolicy] | str | None = None,
         router_kwargs: Mapping[str, Any] | None = None,
+        affinity_margin: int | None = None,
+        affinity_ratio: float | None = None,
         coalesce: bool = True,
         **policy_options: Any,
     ) -> None:
@@ -106,6 +108,8 @@ class AsyncRedisLoadBalancer:
             lease_ttl=lease_ttl,
             max_lease_age=max_lease_age,
             rng=rng,
+            affinity_margin=affinity_margin,
+            affinity_ratio=affinity_ratio,
         )
         self._keeper: asyncio.Future[None] | None = None
         self._initial = validation.servers_mapping(servers) if servers is not None else {}

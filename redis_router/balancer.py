@@ -90,6 +90,8 @@ class RedisLoadBalancer:
         rng: random.Random | None = None,
         policy: RoutingPolicy | type[RoutingPolicy] | str | None = None,
         router_kwargs: Mapping[str, Any] | None = None,
+        affinity_margin: int | None = None,
+        affinity_ratio: float | None = None,
         **policy_options: Any,
     ) -> None:
         self._core, redis = build_core(
@@ -104,6 +106,8 @@ class RedisLoadBalancer:
             lease_ttl=lease_ttl,
             max_lease_age=max_lease_age,
             rng=rng,
+            affinity_margin=affinity_margin,
+            affinity_ratio=affinity_ratio,
         )
         checked = validation.servers_mapping(servers) if servers is not None else {}
         self._keeper: keeper.ThreadKeeper | None = None

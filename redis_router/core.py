@@ -84,7 +84,14 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "max_lease_age": 86400.0,
     "rng": None,
     "policy": None,
+    "affinity_margin": None,
+    "affinity_ratio": None,
 }
+# Bounds of the affinity options: a margin in in-flight requests, a ratio of in-flight counts.
+MAX_AFFINITY_MARGIN = 1_000_000
+MAX_AFFINITY_RATIO = 1_000_000.0
+# Fields of P.."config" every process must share, in the order the scripts send them.
+PINNED_SETTINGS = ("sticky_ttl_ms", "affinity_margin", "affinity_ratio")
 
 
 def build_core(
@@ -154,6 +161,26 @@ def new_tokens(n: int) -> list[str]:
     return [h[i : i + 16] for i in range(0, 16 * n, 16)]
 
 
+def _margin(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"affinity_margin must be an int or None, got {type(value).__name__}")
+    if not 0 <= value <= MAX_AFFINITY_MARGIN:
+        raise ValueError(f"affinity_margin must be in [0, {MAX_AFFINITY_MARGIN}], got {value}")
+    return value
+
+
+def _ratio(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"affinity_ratio must be a number or None, got {type(value).__name__}")
+    if not 1.0 <= value <= MAX_AFFINITY_RATIO:  # also refuses NaN
+        raise ValueError(f"affinity_ratio must be in [1, {MAX_AFFINITY_RATIO:g}], got {value}")
+    return float(value)
+
+
 def _nothing() -> None:
     pass
 
@@ -183,6 +210,8 @@ class BalancerCore:
         max_lease_age: float,
         rng: random.Random | None,
         policy: RoutingPolicy,
+        affinity_margin: int | None = None,
+        affinity_ratio: float | None = None,
     ) -> None:
         self.name = validation.name(name)
         self.prefix = f"rr:{{{self.name}}}:"
@@ -204,6 +233,15 @@ class BalancerCore:
         if rng is not None and not callable(getattr(rng, "getrandbits", None)):
             raise TypeError(f"rng must be a random.Random (or None), got {type(rng).__name__}")
         self._getrandbits = (rng or random.Random(os.urandom(16))).getrandbits
+        # Affinity tolerance, off under full_determinism (a session's replica must stay a
+        # function of its id); the values sent are the ones pinned ("" = off).
+        self.affinity_margin = _margin(affinity_margin)
+        self.affinity_ratio = _ratio(affinity_ratio)
+        on = not full_determinism
+        self.routing = (
+            str(self.affinity_margin) if on and self.affinity_margin is not None else "",
+            repr(self.affinity_ratio) if on and self.affinity_ratio is not None else "",
+        )
         self.lease_ms = round(self.lease_ttl * 1000)
         self.max_age_ms = round(self.max_lease_age * 1000)
         # The background keeper's period (s): a live holder's deadline never comes closer than
@@ -237,6 +275,7 @@ class BalancerCore:
             str(self.span),
             "1" if self.full_determinism else "0",
             self.holder,
+            *self.routing,
         )
 
     # -- replies ---------------------------------------------------------------------------
@@ -245,7 +284,8 @@ class BalancerCore:
         """Map an error raised inside a script to the library's exception."""
         text = str(exc)
         if text.startswith("CONFIGMISMATCH"):
-            return self.config_mismatch(int(text.split()[1]))
+            _, field, *value = text.split()
+            return self.config_mismatch(field, value[0] if value else "")
         if text.startswith("NOSERVERS"):
             return NoServersAvailable(
                 f"balancer {self.name!r}: no replica is accepting new sessions: the pool is empty "
@@ -272,20 +312,34 @@ class BalancerCore:
 
     # -- operations ------------------------------------------------------------------------
 
-    def config_mismatch(self, pinned_ms: int) -> ConfigMismatch:
+    def settings(self) -> dict[str, str]:
+        """The values this process pins in P.."config" ("" = off), by field."""
+        return dict(zip(PINNED_SETTINGS, (str(self.sticky_ms), *self.routing), strict=True))
+
+    def config_mismatch(self, field: str, pinned: str) -> ConfigMismatch:
+        mine = self.settings().get(field, "")
+        if field == "sticky_ttl_ms":
+            what = f"sticky_ttl={self.sticky_ttl:g}s"
+            theirs = f"{int(pinned) / 1000:g}s" if pinned.isdigit() else repr(pinned)
+        else:
+            what = f"{field}={mine or 'off'}"
+            if self.full_determinism and field.startswith("affinity"):
+                what += " (full_determinism turns it off)"
+            theirs = pinned or "off"
         return ConfigMismatch(
-            f"balancer {self.name!r}: sticky_ttl={self.sticky_ttl:g}s, but the balancer's "
-            f"processes already use {pinned_ms / 1000:g}s (pinned in Redis key "
-            f"{self.prefix}config by the first process that acquired). Use the same "
-            "sticky_ttl in every process, or destroy() the balancer to start over."
+            f"balancer {self.name!r}: {what}, but the balancer's processes already use "
+            f"{theirs} (pinned in Redis key {self.prefix}config by the first process that "
+            f"acquired). Use the same {field.removesuffix('_ms')} in every process, or "
+            "destroy() the balancer to start over."
         )
 
     def setup(self, servers: Mapping[str, Any]) -> Op[None]:
         """Check the pinned settings (read only: the first acquire pins them, and every new
         holder's first acquire checks them again), then register ``servers`` if any."""
-        pinned = yield Call(load("configure"), ())
-        if pinned is not None and int(pinned) != self.sticky_ms:
-            raise self.config_mismatch(int(pinned))
+        pinned = yield Call(load("configure"), PINNED_SETTINGS)
+        for field, value in zip(PINNED_SETTINGS, pinned, strict=True):
+            if value is not None and _str(value) != self.settings()[field]:
+                raise self.config_mismatch(field, _str(value))
         if servers:
             yield from self.add_servers(servers)
 
@@ -393,6 +447,7 @@ class BalancerCore:
                 self.max_age_ms,
                 RESEND_WINDOW_MS,
                 REAP_CHUNK,
+                *self.routing,
             ),
         )
         if int(examined) >= REAP_CHUNK:
@@ -459,7 +514,7 @@ class BalancerCore:
     def status(self) -> Op[dict[str, Any]]:
         sessions, _now, rows, holders = yield Call(load("status"), (self.width_ms, self.span))
         replicas: dict[str, dict[str, Any]] = {}
-        for sid, inflight, draining, live, sticky, acquires, hits, reclaimed, meta in rows:
+        for sid, inflight, draining, live, sticky, acquires, hits, reclaimed, meta, repins in rows:
             sid = _str(sid)
             replicas[sid] = {
                 "inflight": int(inflight),
@@ -469,6 +524,7 @@ class BalancerCore:
                 "acquires": int(acquires),
                 "sticky_hits": int(hits),
                 "reclaimed": int(reclaimed),
+                "repins": int(repins),
                 "metadata": json.loads(_str(meta)) if meta is not None else None,
             }
         return {
@@ -484,6 +540,8 @@ class BalancerCore:
             "sticky_ttl": self.sticky_ttl,
             "lease_ttl": self.lease_ttl,
             "max_lease_age": self.max_lease_age,
+            "affinity_margin": self.affinity_margin,
+            "affinity_ratio": self.affinity_ratio,
             "holders": dict(
                 zip(("live", "dead", "awaiting_reclaim"), map(int, holders), strict=True)
             ),

@@ -3,8 +3,9 @@
 ``lib/acquiring.lua`` keeps a straight procedure for one request (``acquire_one``, the common
 case) beside the batch procedure (``acquire_all``). Random sequences of acquires (new
 sessions, repeated ids, sticky turns), releases, drains and undrains are run on two balancers
-with the same tie-break seed: one acquires request by request (the fast path), the other in
-batches of two or more (the batch path). Every grant and every count must agree.
+with the same tie-break seed and options (the affinity margin and ratio among them): one
+acquires request by request (the fast path), the other in batches of two or more (the batch
+path). Every grant, every count and every re-pin must agree.
 """
 
 from __future__ import annotations
@@ -47,11 +48,16 @@ def _sticky(r: Any, name: str) -> dict[str, str]:
     seed=st.integers(0, 2**32),
     steps=st.lists(STEP, min_size=1, max_size=12),
     full=st.booleans(),
+    margin=st.sampled_from([None, 0, 1, 2]),
+    ratio=st.sampled_from([None, 1.0, 1.5]),
 )
-def test_batches_route_exactly_as_one_request_at_a_time(make_lb, r, seed, steps, full):
+def test_batches_route_exactly_as_one_request_at_a_time(
+    make_lb, r, seed, steps, full, margin, ratio
+):
     n = next(_names)
-    one = make_lb(SERVERS, name=f"one{n}", rng=random.Random(seed), full_determinism=full)
-    many = make_lb(SERVERS, name=f"many{n}", rng=random.Random(seed), full_determinism=full)
+    opts: dict[str, Any] = dict(full_determinism=full, affinity_margin=margin, affinity_ratio=ratio)
+    one = make_lb(SERVERS, name=f"one{n}", rng=random.Random(seed), **opts)
+    many = make_lb(SERVERS, name=f"many{n}", rng=random.Random(seed), **opts)
     held: list[tuple[str, str]] = []
     for op, arg in steps:
         if op == "acquire":
@@ -69,7 +75,7 @@ def test_batches_route_exactly_as_one_request_at_a_time(make_lb, r, seed, steps,
             getattr(many, f"{op}_servers")([arg])
         assert invariants.check(r, one.name) == invariants.check(r, many.name)
         assert _sticky(r, one.name) == _sticky(r, many.name)
-    for stat in ("acquires", "sticky_hits"):
+    for stat in ("acquires", "sticky_hits", "repins"):
         assert r.hgetall(invariants.prefix(one.name) + stat) == r.hgetall(
             invariants.prefix(many.name) + stat
         )

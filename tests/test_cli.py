@@ -103,7 +103,7 @@ def test_status_table_shows_each_replica_as_the_library_sees_it(server, make_lb)
     for sid, r in status.items():
         state = "active" if not r["draining"] else ("drained" if not r["inflight"] else "draining")
         assert rows[sid][1] == state
-        numbers = [int(c) for c in rows[sid][2:8]]
+        numbers = [int(c) for c in rows[sid][2:9]]
         assert numbers == [
             r["inflight"],
             r["live_leases"],
@@ -111,8 +111,9 @@ def test_status_table_shows_each_replica_as_the_library_sees_it(server, make_lb)
             r["acquires"],
             r["sticky_hits"],
             r["reclaimed"],
+            r["repins"],
         ]
-        assert json.loads(rows[sid][8]) == r["metadata"]
+        assert json.loads(rows[sid][9]) == r["metadata"]
     assert rows["s3"][1] == "drained" and rows["s1"][1] == "draining"
     assert int(rows["TOTAL"][2]) == lb.get_total_inflight()
     assert "2 active, 1 draining, 1 drained" in proc.stdout

@@ -10,6 +10,22 @@ local function lease_record(policy, i, id, field, holder)
   return field .. SEP .. holder .. SEP .. w
 end
 
+-- Affinity tolerance (ARGV[7], ARGV[8]; nil = off): a sticky session whose replica takes new
+-- sessions is re-pinned by the policy when that replica's in-flight count exceeds the least
+-- loaded one's by more than MARGIN requests and is above RATIO times it (taken as at least 1);
+-- both when both are set. Counted per replica left in P.."repins".
+local MARGIN, RATIO = nil, nil
+
+-- True when the sticky replica `old` (in P.."load") is too far above the least loaded.
+local function overloaded(old)
+  local s = redis.call('ZSCORE', LOAD, old)
+  if not s then return false end -- draining: it serves its sticky sessions only
+  s = tonumber(s)
+  if not LL.min then load_peek() end
+  local m = LL.min
+  return (not MARGIN or s - m > MARGIN) and (not RATIO or s > RATIO * math.max(m, 1))
+end
+
 -- One request (the common case): the straight sequential procedure, without the batch's
 -- tables. Its arguments start at ARGV[i]; the caller has reaped and knows `now` and `cur`.
 local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
@@ -29,14 +45,17 @@ local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
   end
   -- A sticky replica is counted where it is (ZADD XX INCR is a no-op outside the set), so a
   -- sticky hit needs no membership lookup; only a new session needs the NOSERVERS check.
-  local id, how = old, 1
-  if not (old and redis.call('ZADD', LOAD, 'XX', 'INCR', '1', old)) then
-    if not (old and redis.call('ZADD', P .. 'draining', 'XX', 'INCR', '1', old)) then
-      if not load_peek() then
+  local id, how, stay = old, 1, old
+  local moved = old and (MARGIN or RATIO) and overloaded(old)
+  if moved then stay = nil end
+  if not (stay and redis.call('ZADD', LOAD, 'XX', 'INCR', '1', old)) then
+    if not (stay and redis.call('ZADD', P .. 'draining', 'XX', 'INCR', '1', old)) then
+      if not LL.min and not load_peek() then
         return redis.error_reply('NOSERVERS no replica is accepting new sessions')
       end
       id, how = policy.choose(i), 0
       redis.call('ZINCRBY', LOAD, '1', id)
+      if moved and id ~= old then redis.call('HINCRBY', P .. 'repins', old, '1') end
     end
   end
   local at = int(now)
@@ -71,7 +90,8 @@ end
 -- The acquire procedure every router shares (the core's acquire.lua and plugins' scripts).
 -- ARGV[1] holder's lease ttl (ms: its heartbeat deadline is pushed to now + this),
 -- ARGV[2] sticky bucket width (ms), ARGV[3] sticky ttl (ms), ARGV[4] buckets to search back,
--- ARGV[5] router flag (core: 1 = full_determinism), ARGV[6] holder;
+-- ARGV[5] router flag (core: 1 = full_determinism), ARGV[6] holder, ARGV[7] affinity margin,
+-- ARGV[8] affinity ratio ("" = off: a sticky session stays however loaded its replica is);
 -- then `stride` arguments per request starting at ARGV[HEAD + 1]: request id, lease token,
 -- random integer, then the router's own.
 -- `policy` is the routing policy's Lua side, a table of functions of the ARGV index i where a
@@ -93,8 +113,9 @@ local function acquire_all(stride, policy)
   local cur = math.floor(now / width)
   -- An acquire is a heartbeat of its holder, and reaps nothing: the holders' keepers do,
   -- in short calls of their own, so no acquire is slowed by another process's crash.
-  local refused = heartbeat(holder, now, lease_ms, ARGV[3])
+  local refused = heartbeat(holder, now, lease_ms, ARGV[3], ARGV[7], ARGV[8])
   if refused then return refused end
+  MARGIN, RATIO = tonumber(ARGV[7]), tonumber(ARGV[8])
   if #ARGV == HEAD + stride then
     return acquire_one(HEAD + 1, policy, now, cur, holder, width, ttl, span)
   end
@@ -183,12 +204,16 @@ local function acquire_all(stride, policy)
     else
       local old, ob = sid[req], sb[req]
       local zs = old and pool(old)
+      if zs == LOAD and (MARGIN or RATIO) and overloaded(old) then zs = nil end
       if zs then
         id, how = old, 1
         hits[id] = (hits[id] or 0) + 1
         if hits[id] == 1 then hit_ids[#hit_ids + 1] = id end
       else
         zs, how, id = LOAD, 0, policy.choose(i)
+        if old and id ~= old and pool(old) == LOAD then
+          redis.call('HINCRBY', P .. 'repins', old, '1')
+        end
       end
       local score = redis.call('ZINCRBY', zs, '1', id)
       if zs == LOAD then load_incremented(score, id) end

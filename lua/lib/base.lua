@@ -18,7 +18,9 @@
 --   P.."sticky:"..b     HASH  request id -> server id, sessions last seen in time bucket b
 --   P.."stickyn:"..b    HASH  server id -> sessions in bucket b (expires with it)
 --   P.."acquires", P.."sticky_hits", P.."reclaimed"   HASH  server id -> counter
---   P.."config"         HASH  settings every process must share (sticky_ttl_ms)
+--   P.."config"         HASH  settings every process must share (sticky_ttl_ms,
+--                             affinity_margin, affinity_ratio; "" = off)
+--   P.."repins"         HASH  server id -> sticky sessions moved off it by the affinity margin
 --   P.."weighted"       ZSET  server id -> sum of the weights of its leases (0 unless a policy
 --                             weighs requests, e.g. by prompt tokens)
 -- Invariants (docs/design.md): I1 ZSCORE load|draining id == ZCARD held:id after every script,
@@ -30,8 +32,9 @@ local P = KEYS[1]
 local SEP = '\31'
 local LOAD = P .. 'load'
 -- ARGV[1..HEAD] of every acquire: lease ttl (ms), sticky bucket width (ms), sticky ttl (ms),
--- buckets to search back, router flag, holder. Requests start at ARGV[HEAD + 1].
-local HEAD = 6
+-- buckets to search back, router flag, holder, affinity margin (in-flight requests, "" = off),
+-- affinity ratio ("" = off). Requests start at ARGV[HEAD + 1].
+local HEAD = 8
 -- Hot path: a redis.call costs ~0.2 us, and turning a number into a string ~0.3 us (Lua's
 -- tostring and the server's "%.17g" both go through printf for doubles), against ~0.03 us
 -- for int() below. So the acquire and release paths pass integers through int(), constants

@@ -84,18 +84,29 @@ local function reap(now, budget)
   return n, seen
 end
 
+-- The settings every process of a balancer must share, as fields of P.."config" ("" = off).
+local PINNED = { 'sticky_ttl_ms', 'affinity_margin', 'affinity_ratio' }
+
 -- Mark a holder alive until now + ttl (never moving its deadline back). The first time it is
 -- seen (or again after it was declared dead, or the keys were lost) its process's settings
--- are checked against the pinned ones, and pinned if there are none: every process that
--- acquires checks them, not only at start-up. Returns an error reply on a mismatch.
-local function heartbeat(holder, now, ttl, sticky_ms)
+-- (`...`: values in PINNED's order) are checked against the pinned ones, and a setting not
+-- pinned yet is pinned: every process that acquires checks them, not only at start-up.
+-- Returns an error reply "CONFIGMISMATCH <field> <pinned value>" on a mismatch, with nothing
+-- pinned.
+local function heartbeat(holder, now, ttl, ...)
   if redis.call('ZADD', P .. 'holders', 'GT', int(now + ttl), holder) == 0 then return nil end
-  local pinned = redis.call('HGET', P .. 'config', 'sticky_ttl_ms')
-  if not pinned then
-    redis.call('HSET', P .. 'config', 'sticky_ttl_ms', sticky_ms)
-  elseif pinned ~= sticky_ms then
-    redis.call('ZREM', P .. 'holders', holder)
-    return redis.error_reply('CONFIGMISMATCH ' .. pinned)
+  local mine = { ... }
+  local pinned = redis.call('HMGET', P .. 'config', unpack(PINNED))
+  local fresh = {}
+  for k, field in ipairs(PINNED) do
+    local v = pinned[k]
+    if not v then
+      fresh[#fresh + 1], fresh[#fresh + 2] = field, mine[k]
+    elseif v ~= mine[k] then
+      redis.call('ZREM', P .. 'holders', holder)
+      return redis.error_reply('CONFIGMISMATCH ' .. field .. ' ' .. v)
+    end
   end
+  if #fresh > 0 then redis.call('HSET', P .. 'config', unpack(fresh)) end
   return nil
 end

@@ -186,6 +186,7 @@ REPLICA_FIELDS = (
     "acquires",
     "sticky_hits",
     "reclaimed",
+    "repins",
 )
 
 

@@ -12,6 +12,8 @@ never staler than the scrape and an idle exporter costs Redis nothing). Per repl
     redis_router_sticky_hits_total        counter  of which, later turns of a sticky session
     redis_router_reclaimed_leases_total   counter  leases reclaimed (their process died, or
                                                    they outlived max_lease_age)
+    redis_router_repins_total             counter  sticky sessions moved off the replica by
+                                                   the affinity margin or ratio
 
 and per balancer ``redis_router_up`` (1 if Redis answered this scrape) and
 ``redis_router_replicas`` (and, where the status reports worker processes,
@@ -50,6 +52,7 @@ COUNTERS = (
     ("acquires", "acquires", "Requests routed to the replica."),
     ("sticky_hits", "sticky_hits", "Requests routed to the replica by their sticky session."),
     ("reclaimed_leases", "reclaimed", "Leases on the replica reclaimed from dead holders."),
+    ("repins", "repins", "Sticky sessions moved off the replica by the affinity tolerance."),
 )
 
 

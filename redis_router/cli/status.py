@@ -21,6 +21,7 @@ COLUMNS = (
     ("ACQUIRES", "acquires"),
     ("STICKY HITS", "sticky_hits"),
     ("RECLAIMED", "reclaimed"),
+    ("RE-PINS", "repins"),
     ("METADATA", None),
 )
 META_WIDTH = 40
