@@ -2,19 +2,17 @@
 -- KEYS[1]  key prefix "rr:{NAME}:"
 -- ARGV[1]  lease ttl (ms): the holder's heartbeat deadline moves to now + this
 -- ARGV[2]  sticky bucket width (ms)  ARGV[3]  sticky ttl (ms), checked against the pinned one
--- ARGV[4]  buckets to search back    ARGV[5]  1 = full_determinism
--- ARGV[6]  holder (the balancer instance taking the leases; this acquire is its heartbeat)
--- ARGV[7]  affinity margin (in-flight requests)   ARGV[8]  affinity ratio ("" = off, each):
---          a sticky session is re-pinned when its replica exceeds the least loaded by both
+-- ARGV[4]  buckets to search back    ARGV[5]  1 = full_determinism    ARGV[6]  holder (its
+--          heartbeat)   ARGV[7], ARGV[8]  affinity margin, ratio ("" = off; lib/acquiring.lua)
 -- ARGV[9..] triples: request id, lease token (client-made, unique), random integer (tie-break)
--- Returns  flat array: per request, server id, its JSON metadata (or false), and
---          0 = balanced, 1 = sticky hit, 2 = retry of a token already granted (not counted twice).
--- Error    "NOSERVERS ..." when some request has no replica to go to, "CONFIGMISMATCH <field>
---          <pinned>" when another process pinned other settings; nothing is written then.
+-- Returns  flat array: per request, server id, its JSON metadata (or false), and 0 = balanced,
+--          1 = sticky hit, 2 = retry of a token already granted (not counted twice).
 -- Keeps    I1 (count +1 with lease), I3 (sticky first while in pool), I4 (least loaded, client
 --          entropy), I5 (rendezvous), I6 (only pool members chosen), I7 (keys from KEYS[1]).
 --          The procedure itself is acquire_all in lib/acquiring.lua, shared with every
 --          routing policy's script; this one is the default policy, least loaded.
+-- Error    "NOSERVERS ..." when some request has no replica to go to, "CONFIGMISMATCH <field>
+--          <pinned>" when another process pinned other settings; nothing is written then.
 -- Uses     lib/base, lib/leases, lib/picking, lib/acquiring
 local deterministic = ARGV[5] == '1'
 return acquire_all(3, {

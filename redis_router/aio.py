@@ -333,6 +333,10 @@ class AsyncRedisLoadBalancer:
     async def get_status(self) -> dict[str, Any]:
         return await self._run(self._core.status())
 
+    async def request_owner(self, request_id: str) -> str | None:
+        """See RedisLoadBalancer.request_owner."""
+        return await self._run(self._core.request_owner(request_id))
+
     async def clear_sticky_cache(self) -> dict[str, Any]:
         """See RedisLoadBalancer.clear_sticky_cache."""
         return await self._run(self._core.clear_sticky())

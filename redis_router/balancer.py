@@ -283,6 +283,11 @@ class RedisLoadBalancer:
         expired (approximate: entries of removed replicas count until their next turn)."""
         return self._run(self._core.status())
 
+    def request_owner(self, request_id: str) -> str | None:
+        """The replica serving ``request_id`` now (it holds a live lease of it), or None:
+        where to send a targeted abort. A few lookups, no scan."""
+        return self._run(self._core.request_owner(request_id))
+
     def clear_sticky_cache(self) -> dict[str, Any]:
         """Forget every sticky session. Returns ``{"cleared_entries": n, "server_loads":
         {server id: in-flight}}``, as verl's rebalancing reads it."""

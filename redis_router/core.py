@@ -491,6 +491,13 @@ class BalancerCore:
             if int(examined) < REAP_CHUNK:
                 return total
 
+    def request_owner(self, request_id: str) -> Op[str | None]:
+        """The replica serving ``request_id`` now (a live lease), or None: whom to send an
+        abort. Its sticky entry is probed, not the leases scanned."""
+        rid = validation.request_id(request_id)
+        owner = yield Call(load("owner"), (rid, self.width_ms, self.span))
+        return None if owner is None else _str(owner)
+
     def clear_sticky(self) -> Op[dict[str, Any]]:
         """Forget every sticky session. Returns verl's rebalance report: how many entries were
         forgotten and each replica's in-flight count."""

@@ -35,6 +35,7 @@ NAMES = (
     "retire",
     "owned",
     "forget",
+    "owner",
 )
 
 

@@ -38,6 +38,7 @@ COMMANDS: dict[str, Command] = {
     "servers": Command("redis_router.cli.pool:servers", "add, remove, drain or undrain replicas"),
     "sessions": Command("redis_router.cli.pool:sessions", "manage sticky sessions"),
     "reap": Command("redis_router.cli.pool:reap", "reclaim the leases of dead workers now"),
+    "owner": Command("redis_router.cli.locality:owner", "print the replica serving a request"),
     "demo": Command("redis_router.demo", "run simulated agent sessions, old vs new tie-break"),
     "exporter": Command("redis_router.cli.exporter", "serve Prometheus metrics over HTTP"),
     "kv-events": Command(

@@ -1,0 +1,41 @@
+"""`redis-router owner`: which replica serves a request now, for a targeted abort.
+
+An RL trainer that cancels one rollout (a straggler, a sample whose group already finished)
+must send the abort to the replica generating it; ``owner RID`` prints that replica's id (and
+its metadata) from the request's live lease, or exits 1 when no replica serves it. Reads only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from .common import Handlers, open_balancer, servers_key
+
+
+def _owner_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Print the replica serving request RID now (it holds a live lease of it), and its "
+        "metadata; exit status 1 when no replica does. Reads only."
+    )
+    parser.add_argument("rid", metavar="RID", help="the request id given to acquire")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+
+
+def _owner(args: argparse.Namespace) -> int:
+    with open_balancer(args) as b:
+        core = b.core(b.pinned_sticky_ttl())  # its buckets are where the sessions are
+        owner = b.run(core.request_owner(args.rid), core)
+        raw = b.client.hget(servers_key(b.name), owner) if owner else None
+        meta = json.loads(raw) if raw else None
+    if args.json:
+        print(json.dumps({"request_id": args.rid, "replica": owner, "metadata": meta}))
+    elif owner is None:
+        print(f"no replica of balancer {b.name!r} serves request {args.rid!r} now")
+    else:
+        extra = "" if meta is None else "  " + json.dumps(meta, separators=(",", ":"))
+        print(f"{owner}{extra}")
+    return 0 if owner is not None else 1
+
+
+owner = Handlers(_owner_arguments, _owner)
