@@ -20,7 +20,7 @@ for b = cur + 1, cur - span, -1 do
 end
 for _, k in ipairs({ 'servers', 'load', 'draining', 'leases', 'byreq', 'holders', 'ended',
                      'acquires', 'sticky_hits', 'reclaimed', 'repins', 'config', 'weights',
-                     'weighted' }) do
+                     'weighted', 'locality', 'weight_version' }) do
   n = n + redis.call('DEL', P .. k)
 end
 return n

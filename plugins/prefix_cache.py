@@ -265,6 +265,7 @@ class PrefixCache(RoutingPolicy):
     script_path = _HERE / "prefix_cache.lua"
     acquire_fields = ("prompt_ids",)
     arity = 3
+    locality_keys = ("pc:idx", "pc:lru", "pc:n")
 
     def __init__(self, **options: Any) -> None:
         # None means "not given" (a YAML key left empty, an explicit keyword set to None).

@@ -337,6 +337,10 @@ class AsyncRedisLoadBalancer:
         """See RedisLoadBalancer.request_owner."""
         return await self._run(self._core.request_owner(request_id))
 
+    async def bump_weight_version(self, *, sticky: bool = False) -> dict[str, int]:
+        """See RedisLoadBalancer.bump_weight_version."""
+        return await self._run(self._core.bump_weight_version(sticky))
+
     async def clear_sticky_cache(self) -> dict[str, Any]:
         """See RedisLoadBalancer.clear_sticky_cache."""
         return await self._run(self._core.clear_sticky())

@@ -288,6 +288,13 @@ class RedisLoadBalancer:
         where to send a targeted abort. A few lookups, no scan."""
         return self._run(self._core.request_owner(request_id))
 
+    def bump_weight_version(self, *, sticky: bool = False) -> dict[str, int]:
+        """After a weight update: drop every cache-locality record (the prefix index, group
+        placements, the policy's ``locality_keys``; with ``sticky`` the sticky sessions too)
+        atomically for every worker. Leases and in-flight counts are untouched. Returns the
+        new version and what was dropped."""
+        return self._run(self._core.bump_weight_version(sticky))
+
     def clear_sticky_cache(self) -> dict[str, Any]:
         """Forget every sticky session. Returns ``{"cleared_entries": n, "server_loads":
         {server id: in-flight}}``, as verl's rebalancing reads it."""

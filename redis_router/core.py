@@ -498,6 +498,22 @@ class BalancerCore:
         owner = yield Call(load("owner"), (rid, self.width_ms, self.span))
         return None if owner is None else _str(owner)
 
+    def bump_weight_version(self, sticky: bool = False) -> Op[dict[str, int]]:
+        """New weights make every replica's KV cache stale: drop every record of what the
+        replicas hold (the prefix index, the policy's locality keys, with ``sticky`` the sticky
+        sessions too) in one script, for every worker at once; leases and counts stay."""
+        if not isinstance(sticky, bool):
+            raise TypeError(f"sticky must be a bool, got {type(sticky).__name__}")
+        version, deleted, forgotten = yield Call(
+            load("bump"),
+            (self.width_ms, self.span, "1" if sticky else "0", *self.policy.locality_keys),
+        )
+        return {
+            "weight_version": int(version),
+            "locality_keys_dropped": int(deleted),
+            "sticky_entries_forgotten": int(forgotten),
+        }
+
     def clear_sticky(self) -> Op[dict[str, Any]]:
         """Forget every sticky session. Returns verl's rebalance report: how many entries were
         forgotten and each replica's in-flight count."""

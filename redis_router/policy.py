@@ -43,6 +43,9 @@ class RoutingPolicy:
     acquire_fields: ClassVar[tuple[str, ...]] = ()
     release_fields: ClassVar[tuple[str, ...]] = ()
     arity: ClassVar[int] = 0
+    # Keys (suffixes after the balancer's prefix) that record what the replicas' KV caches
+    # hold: bump_weight_version() drops them, with the core's own (docs/rl.md).
+    locality_keys: ClassVar[tuple[str, ...]] = ()
 
     @property
     def script(self) -> Script:

@@ -36,6 +36,7 @@ NAMES = (
     "owned",
     "forget",
     "owner",
+    "bump",
 )
 
 

@@ -39,6 +39,9 @@ COMMANDS: dict[str, Command] = {
     "sessions": Command("redis_router.cli.pool:sessions", "manage sticky sessions"),
     "reap": Command("redis_router.cli.pool:reap", "reclaim the leases of dead workers now"),
     "owner": Command("redis_router.cli.locality:owner", "print the replica serving a request"),
+    "bump-weight-version": Command(
+        "redis_router.cli.locality:bump", "drop every cache-locality record after new weights"
+    ),
     "demo": Command("redis_router.demo", "run simulated agent sessions, old vs new tie-break"),
     "exporter": Command("redis_router.cli.exporter", "serve Prometheus metrics over HTTP"),
     "kv-events": Command(

@@ -1,4 +1,9 @@
-"""`redis-router owner`: which replica serves a request now, for a targeted abort.
+"""`redis-router owner | bump-weight-version`: what RL trainers ask of the balancer.
+
+``bump-weight-version`` runs after a weight update: every replica's KV cache is stale, so
+every record of what the replicas hold is dropped at once for all workers (the prefix index,
+group placements, the locality keys policies declared; ``--sticky``: sticky sessions too),
+whatever the balancer's policy; in-flight counts and leases are untouched.
 
 An RL trainer that cancels one rollout (a straggler, a sample whose group already finished)
 must send the abort to the replica generating it; ``owner RID`` prints that replica's id (and
@@ -38,4 +43,28 @@ def _owner(args: argparse.Namespace) -> int:
     return 0 if owner is not None else 1
 
 
+def _bump_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Drop every cache-locality record of the balancer (prefix index, group placements, "
+        "policies' locality keys) in one atomic call, for every worker; leases and in-flight "
+        "counts stay. Run it after the replicas load new weights."
+    )
+    parser.add_argument(
+        "--sticky", action="store_true", help="forget the sticky sessions too (default: keep)"
+    )
+
+
+def _bump(args: argparse.Namespace) -> int:
+    with open_balancer(args) as b:
+        core = b.core(b.pinned_sticky_ttl())
+        got = b.run(core.bump_weight_version(args.sticky), core)
+    print(
+        f"balancer {b.name!r}: weight version {got['weight_version']}; dropped "
+        f"{got['locality_keys_dropped']} locality key(s) and {got['sticky_entries_forgotten']} "
+        "sticky session(s)"
+    )
+    return 0
+
+
 owner = Handlers(_owner_arguments, _owner)
+bump = Handlers(_bump_arguments, _bump)
