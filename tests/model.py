@@ -1,22 +1,57 @@
-"""A small pure-Python model of the balancer's semantics, for the model-based fuzz test.
+"""A small pure-Python model of the balancer's semantics, for the model-based fuzz tests.
 
-It knows the pool (replica -> draining), the live leases (token -> replica, request, when its
-expiry was last set) and the sticky map (request -> replica; sticky_ttl is long in the fuzz
-test, so entries only go by clear_sticky). Where the real balancer breaks ties at random, the
-model returns the set of allowed answers instead of one answer.
+It knows the pool (replica -> draining), the live leases (token -> replica, request, holder,
+weight, when it was acquired), the sticky map (request -> replica; sticky_ttl is long in the
+fuzz tests, so entries only go by clear_sticky), the reclaimed counters, and for the
+prefix-cache router the prefix index (block hash -> replicas it was sent to). Leases do not
+expire by time: a lease ends when it is released, when its replica is removed, or when its
+holder is dead and someone reclaims it (``reclaim``).
+
+Where the real balancer breaks ties at random, the model returns the set of allowed answers
+instead of one answer. Leases in ``limbo`` (a dead holder's, which any call may be reclaiming
+concurrently) count as "maybe there": the allowed sets then hold every replica that could be
+the answer for some subset of them.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
+
+ROUTERS = ("core", "least_tokens", "prefix_cache")
 
 
 @dataclass
 class ModelLease:
     server_id: str
     request_id: str
-    set_from: float  # monotonic time before the call that set its expiry
-    set_by: float  # ... and after it
+    holder: str
+    acquired_from: float  # monotonic time before the call that took it
+    acquired_by: float  # ... and after it
+    weight: int = 0  # prompt tokens (least_tokens)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What a router reads of a request's prompt: its length (least_tokens) and its prefix
+    hashes at the sampled depths with the 1-based index of the first deep enough to count
+    (prefix_cache). ``hashes`` is empty for no prompt or one shorter than a block."""
+
+    weight: int = 0
+    hashes: tuple[str, ...] = ()
+    first: int = 1
+
+
+NO_PROMPT = Prompt()
+
+
+@dataclass(frozen=True)
+class PrefixPolicy:
+    """prefix_cache's load-balance thresholds (the index's bounds are never reached here)."""
+
+    balance_abs: float
+    balance_rel: float
+    record: bool = True
 
 
 class NoServers(Exception):
@@ -25,9 +60,22 @@ class NoServers(Exception):
 
 @dataclass
 class Model:
+    router: str = "core"
+    prefix: PrefixPolicy | None = None
     servers: dict[str, bool] = field(default_factory=dict)  # id -> draining
     leases: dict[str, ModelLease] = field(default_factory=dict)  # in grant order
     sticky: dict[str, str] = field(default_factory=dict)
+    limbo: set[str] = field(default_factory=set)  # tokens that may be reclaimed any moment
+    reclaimed: dict[str, int] = field(default_factory=dict)  # replica -> counter
+    index: dict[str, set[str]] = field(default_factory=dict)  # prefix hash -> replicas
+
+    def __post_init__(self) -> None:
+        assert self.router in ROUTERS, self.router
+
+    def copy(self) -> Model:
+        return copy.deepcopy(self)
+
+    # -- derived state ---------------------------------------------------------------------
 
     def counts(self) -> dict[str, int]:
         out = dict.fromkeys(self.servers, 0)
@@ -35,58 +83,141 @@ class Model:
             out[lease.server_id] += 1
         return out
 
+    def weights(self) -> dict[str, int]:
+        out = dict.fromkeys(self.servers, 0)
+        for lease in self.leases.values():
+            out[lease.server_id] += lease.weight
+        return out
+
+    def _bounds(self, weighted: bool) -> tuple[dict[str, int], dict[str, int]]:
+        """Per replica, the lowest and highest count (or weight) the real balancer may see:
+        leases in limbo may already be gone."""
+        hi = self.weights() if weighted else self.counts()
+        lo = dict(hi)
+        for token in self.limbo:
+            lease = self.leases[token]
+            lo[lease.server_id] -= lease.weight if weighted else 1
+        return lo, hi
+
+    def taking(self) -> list[str]:
+        return [s for s, draining in self.servers.items() if not draining]
+
+    def tokens_of(self, holder: str) -> list[str]:
+        return [t for t, x in self.leases.items() if x.holder == holder]
+
     # -- acquire ---------------------------------------------------------------------------
 
-    def destination(
-        self, request_id: str, token: str, counts: dict[str, int]
-    ) -> tuple[set[str], int]:
+    def destination(self, request_id: str, token: str, prompt: Prompt) -> tuple[set[str], int]:
         """(allowed replicas, how: 0 balanced / 1 sticky / 2 retry) for one request."""
         if token in self.leases:
+            assert token not in self.limbo, "the fuzz tests never retry a token in limbo"
             return {self.leases[token].server_id}, 2
         sid = self.sticky.get(request_id)
         if sid is not None and sid in self.servers:
             return {sid}, 1
-        taking = [s for s, draining in self.servers.items() if not draining]
+        taking = self.taking()
         if not taking:
             raise NoServers
-        low = min(counts[s] for s in taking)
-        return {s for s in taking if counts[s] == low}, 0
+        if self.router == "least_tokens":
+            return _least(taking, *self._bounds(True)), 0
+        lo, hi = self._bounds(False)
+        least = _least(taking, lo, hi)
+        if self.router == "core" or not prompt.hashes:
+            return least, 0
+        holders = self._prefix_holders(prompt, set(taking))
+        if holders is None:
+            return least, 0
+        allowed: set[str] = set()
+        imbalanced = self._imbalanced(taking, lo, hi)
+        if True in imbalanced:
+            allowed |= least
+        if False in imbalanced:
+            allowed |= _least(sorted(holders), lo, hi)
+        return allowed, 0
+
+    def _prefix_holders(self, prompt: Prompt, taking: set[str]) -> set[str] | None:
+        """The replicas taking new sessions that received the deepest prefix of the prompt
+        that any of them received, among the deepest hash and those from ``first`` on."""
+        n = len(prompt.hashes)
+        for k in [n, *range(n - 1, prompt.first - 1, -1)]:
+            got = self.index.get(prompt.hashes[k - 1], set()) & taking
+            if got:
+                return got
+        return None
+
+    def _imbalanced(self, taking: list[str], lo: dict[str, int], hi: dict[str, int]) -> set[bool]:
+        """Whether the pool counts as imbalanced (both thresholds exceeded), for every count
+        the replicas may have: {True}, {False} or both."""
+        assert self.prefix is not None
+        p = self.prefix
+        if any(lo[s] != hi[s] for s in taking):
+            return {True, False}  # counts not known exactly: either branch is allowed
+        mn, mx = min(hi[s] for s in taking), max(hi[s] for s in taking)
+        return {mx - mn > p.balance_abs and mx > p.balance_rel * mn}
 
     def check_batch(self, requests: list[tuple[str, str]]) -> None:
-        """Raise NoServers if the batch is refused (before anything is written)."""
-        if any(not d for d in self.servers.values()):
+        """Raise NoServers if a batch is refused whole (before anything is written): no
+        replica takes new sessions and some request is neither a retry nor sticky to a
+        replica in the pool."""
+        if self.taking():
             return
         for rid, token in requests:
-            self.destination(rid, token, self.counts())
+            self.destination(rid, token, NO_PROMPT)
 
     def grant(
-        self, request_id: str, token: str, server_id: str, how: int, t0: float, t1: float
+        self,
+        request_id: str,
+        token: str,
+        server_id: str,
+        how: int,
+        holder: str,
+        t0: float,
+        t1: float,
+        prompt: Prompt = NO_PROMPT,
     ) -> None:
         """Record what the real balancer granted (after checking it was allowed)."""
         if how == 2:
             return
-        self.leases[token] = ModelLease(server_id, request_id, t0, t1)
+        weight = prompt.weight if self.router == "least_tokens" else 0
+        self.leases[token] = ModelLease(server_id, request_id, holder, t0, t1, weight)
         self.sticky[request_id] = server_id
+        if self.router == "prefix_cache" and self.prefix and self.prefix.record:
+            for h in prompt.hashes:
+                self.index.setdefault(h, set()).add(server_id)
 
     # -- release ---------------------------------------------------------------------------
 
     def release_token(self, token: str) -> bool:
+        self.limbo.discard(token)
         return self.leases.pop(token, None) is not None
 
-    def release_request(self, server_id: str, request_id: str) -> bool:
+    def first_of_request(self, server_id: str, request_id: str) -> str | None:
+        """The lease a release by request id ends: that request's oldest on that replica."""
         for token, lease in self.leases.items():
             if (lease.server_id, lease.request_id) == (server_id, request_id):
-                del self.leases[token]
-                return True
-        return False
+                return token
+        return None
+
+    def release_request(self, server_id: str, request_id: str) -> bool:
+        token = self.first_of_request(server_id, request_id)
+        return token is not None and self.release_token(token)
 
     def oldest_candidates(self, server_id: str) -> set[str]:
-        """Tokens that may be the lease on server_id closest to expiry (release by server)."""
+        """Tokens that may be the oldest lease on server_id (release by replica only): those
+        that may have been acquired in the same Redis millisecond as the first one."""
         mine = {t: x for t, x in self.leases.items() if x.server_id == server_id}
         if not mine:
             return set()
-        latest_first = min(x.set_by for x in mine.values()) + 0.002  # ms resolution in Redis
-        return {t for t, x in mine.items() if x.set_from <= latest_first}
+        latest_first = min(x.acquired_by for x in mine.values()) + 0.002  # ms resolution
+        return {t for t, x in mine.items() if x.acquired_from <= latest_first}
+
+    # -- dead holders ----------------------------------------------------------------------
+
+    def reclaim(self, token: str) -> None:
+        """A dead holder's lease was reclaimed: gone, and counted on its replica."""
+        lease = self.leases.pop(token)
+        self.limbo.discard(token)
+        self.reclaimed[lease.server_id] = self.reclaimed.get(lease.server_id, 0) + 1
 
     # -- the pool --------------------------------------------------------------------------
 
@@ -101,9 +232,10 @@ class Model:
         for s in ids:
             if s in self.servers:
                 del self.servers[s]
+                self.reclaimed.pop(s, None)
                 n += 1
                 for t in [t for t, x in self.leases.items() if x.server_id == s]:
-                    del self.leases[t]
+                    self.release_token(t)
         return n
 
     def set_draining(self, ids: list[str], draining: bool) -> int:
@@ -113,3 +245,16 @@ class Model:
                 self.servers[s] = draining
                 n += 1
         return n
+
+    def clear_sticky(self) -> dict[str, object]:
+        """What clear_sticky_cache returns: every entry goes (those of removed replicas too,
+        which stay until their session's next turn), and the load of every replica."""
+        out = {"cleared_entries": len(self.sticky), "server_loads": self.counts()}
+        self.sticky.clear()
+        return out
+
+
+def _least(candidates: list[str], lo: dict[str, int], hi: dict[str, int]) -> set[str]:
+    """The candidates that may hold the minimum: exact ties when lo == hi."""
+    ceiling = min(hi[s] for s in candidates)
+    return {s for s in candidates if lo[s] <= ceiling}
