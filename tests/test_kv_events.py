@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kv_publisher import Publisher, cleared, removed, stored
 
 from redis_router import RedisLoadBalancer
 from redis_router.kv_events import (
@@ -26,6 +25,8 @@ from redis_router.kv_events import (
     streams_of,
 )
 from redis_router.scripts import load_file
+
+from .kv_publisher import Publisher, cleared, removed, stored
 
 BS = 4  # tokens per engine block
 

@@ -19,10 +19,10 @@ else:
         "vllm.distributed.kv_events", reason="needs vllm: .ci/run runs this file in .venv-vllm"
     )
 
-from test_kv_events import expect, holders, settle
-
 from redis_router import RedisLoadBalancer
 from redis_router.kv_events import KVEventSubscriber, index_states, offset_endpoint_port
+
+from .test_kv_events import expect, holders, settle
 
 BS = 4
 
