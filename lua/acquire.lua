@@ -3,8 +3,8 @@
 -- ARGV[1]  lease ttl (ms): the holder's heartbeat deadline moves to now + this
 -- ARGV[2]  sticky bucket width (ms)  ARGV[3]  sticky ttl (ms), checked against the pinned one
 -- ARGV[4]  buckets to search back    ARGV[5]  1 = full_determinism    ARGV[6]  holder (its
---          heartbeat)   ARGV[7], ARGV[8]  affinity margin, ratio ("" = off; lib/acquiring.lua)
--- ARGV[9..] triples: request id, lease token (client-made, unique), random integer (tie-break)
+--          heartbeat)   ARGV[7..10]  affinity margin, ratio, group cap, group_by (lib/acquiring)
+-- ARGV[11..] quads: request id, lease token (client-made, unique), random integer, group id
 -- Returns  flat array: per request, server id, its JSON metadata (or false), and 0 = balanced,
 --          1 = sticky hit, 2 = retry of a token already granted (not counted twice).
 -- Keeps    I1 (count +1 with lease), I3 (sticky first while in pool), I4 (least loaded, client
@@ -15,7 +15,7 @@
 --          <pinned>" when another process pinned other settings; nothing is written then.
 -- Uses     lib/base, lib/leases, lib/picking, lib/acquiring
 local deterministic = ARGV[5] == '1'
-return acquire_all(3, {
+return acquire_all(OWN, {
   choose = function(i)
     if deterministic then return rendezvous(ARGV[i]) end
     return least_loaded(tonumber(ARGV[i + 2]))

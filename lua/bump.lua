@@ -7,12 +7,13 @@
 --          in P.."locality", so a later bump by any process (the CLI) drops them as well
 -- Returns  { the new weight version, locality keys deleted, sticky entries forgotten }
 -- Keeps    I1, I2 (leases, counts, holders untouched), I7. Drops the documented locality
---          records: the prefix-cache index (pc:idx, pc:lru, pc:n), every key named in
---          P.."locality" or in ARGV, and with ARGV[3] = 1 the sticky buckets.
+--          records: group placements (group:<b>), the prefix-cache index (pc:idx, pc:lru,
+--          pc:n), every key in P.."locality" or ARGV, with ARGV[3] = 1 the sticky buckets.
 -- Uses     lib/base
 local width, span = tonumber(ARGV[1]), tonumber(ARGV[2])
 local cur = math.floor(now_ms() / width)
 local keys = { 'pc:idx', 'pc:lru', 'pc:n' }
+for b = cur + 1, cur - span, -1 do keys[#keys + 1] = 'group:' .. int(b) end
 for i = 4, #ARGV do
   redis.call('SADD', P .. 'locality', ARGV[i])
 end

@@ -16,7 +16,7 @@ for _, holder in ipairs(redis.call('ZRANGE', P .. 'holders', 0, -1)) do
   n = n + redis.call('DEL', P .. 'owned:' .. holder)
 end
 for b = cur + 1, cur - span, -1 do
-  n = n + redis.call('DEL', P .. 'sticky:' .. b, P .. 'stickyn:' .. b)
+  n = n + redis.call('DEL', P .. 'sticky:' .. b, P .. 'stickyn:' .. b, P .. 'group:' .. b)
 end
 for _, k in ipairs({ 'servers', 'load', 'draining', 'leases', 'byreq', 'holders', 'ended',
                      'acquires', 'sticky_hits', 'reclaimed', 'repins', 'config', 'weights',

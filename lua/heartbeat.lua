@@ -4,7 +4,7 @@
 -- ARGV[3]  sticky ttl (ms), checked against the pinned one
 -- ARGV[4]  max lease age (ms): this holder's leases acquired (or renewed) longer ago end now
 -- ARGV[5]  how long resent releases are recognised (ms)      ARGV[6]  budget (entries)
--- ARGV[7]  affinity margin, ARGV[8] affinity ratio ("" = off), checked against the pinned ones
+-- ARGV[7..10] affinity margin, ratio, group cap, group_by ("" = off): checked as sticky ttl
 -- Returns  { 1 if the holder was registered anew (it had been declared dead: its leases were
 --          reclaimed), leases of dead holders reclaimed, entries examined for that (the caller
 --          goes on with reap.lua while it is the budget), tokens of this holder's leases that
@@ -16,7 +16,8 @@
 local holder, now = ARGV[1], now_ms()
 local budget = tonumber(ARGV[6])
 local known = redis.call('ZSCORE', P .. 'holders', holder)
-local refused = heartbeat(holder, now, tonumber(ARGV[2]), ARGV[3], ARGV[7], ARGV[8])
+local refused = heartbeat(holder, now, tonumber(ARGV[2]), ARGV[3], ARGV[7], ARGV[8], ARGV[9],
+  ARGV[10])
 if refused then return refused end
 local owned = P .. 'owned:' .. holder
 local overdue = redis.call('ZRANGEBYSCORE', owned, '-inf', int(now - tonumber(ARGV[4])),

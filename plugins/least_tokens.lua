@@ -2,9 +2,9 @@
 -- The lib/ parts on the Uses line are prepended: leases, stickiness and reaping are the core's.
 -- KEYS[1]  key prefix "rr:{NAME}:"
 -- ARGV[1..HEAD] as acquire.lua (lease ttl, sticky bucket width, sticky ttl, buckets to search
---          back, 1 = full_determinism, holder)
--- ARGV[HEAD + 1..] quads: request id, lease token, random integer (tie-break), weight (prompt tokens,
---          an integer >= 0)
+--          back, 1 = full_determinism, holder, affinity and group settings)
+-- ARGV[HEAD + 1..] per request: the core's OWN (request id, lease token, random integer, group
+--          id), then the weight (prompt tokens, an integer >= 0)
 -- Returns  as acquire.lua: per request, server id, JSON metadata, 0 balanced / 1 sticky / 2 retry.
 -- Keeps    I1-I7 as acquire.lua (acquire_all), plus: P.."weighted" holds, per replica, the sum
 --          of the weights of its live leases; each weighed lease carries its weight in its
@@ -42,10 +42,10 @@ local function least_weighted(rand)
   return ties[rand % #ties + 1]
 end
 
-return acquire_all(4, {
+return acquire_all(OWN + 1, {
   choose = function(i)
     if deterministic then return rendezvous(ARGV[i]) end
     return least_weighted(tonumber(ARGV[i + 2]))
   end,
-  weight = function(i) return tonumber(ARGV[i + 3]) end,
+  weight = function(i) return tonumber(ARGV[i + OWN]) end,
 })

@@ -3,8 +3,8 @@
 -- sticky sessions, leases, draining and removal behave exactly as in the core's acquire.lua.
 -- KEYS[1]  key prefix "rr:{NAME}:" (index keys: see prefix_cache_index.lua)
 -- ARGV[1..HEAD] as acquire.lua (ARGV[5] = 1: full_determinism, rendezvous hashing, no prefix)
--- ARGV[HEAD + 1..] six per request: request id, lease token, random integer (tie-break), settings,
---          block hashes, first. settings = "abs rel ttl_ms max_blocks budget record refresh_ms"
+-- ARGV[HEAD + 1..] per request: the core's OWN (request id, lease token, random integer, group
+--          id), then settings, block hashes, first. settings = "abs rel ttl_ms max_blocks budget record refresh_ms"
 --          (space separated, the same for every request of a call); block hashes = the
 --          prompt's prefix hashes at its sampled depths, 16 hex characters each, concatenated
 --          (or empty); first = the first of them deep enough to count (min_match of the
@@ -100,8 +100,8 @@ end
 local function choose(i)
   if deterministic then return rendezvous(ARGV[i]) end
   local rand = tonumber(ARGV[i + 2])
-  local c = settings(ARGV[i + 3])
-  local hs = ARGV[i + 4]
+  local c = settings(ARGV[i + OWN])
+  local hs = ARGV[i + OWN + 1]
   local n = #hs / HW
   if n == 0 then return least_loaded(rand) end
   local since = now - c.ttl
@@ -109,7 +109,7 @@ local function choose(i)
   local ties = top and best_holders(top, since)
   if not ties then
     local _, vals = holder_lists(i, hs, n)
-    for k = n - 1, tonumber(ARGV[i + 5]), -1 do
+    for k = n - 1, tonumber(ARGV[i + OWN + 2]), -1 do
       ties = vals[k] and best_holders(vals[k], since)
       if ties then break end
     end
@@ -120,7 +120,7 @@ local function choose(i)
 end
 
 local function granted(i, id, token)
-  local c, hs = settings(ARGV[i + 3]), ARGV[i + 4]
+  local c, hs = settings(ARGV[i + OWN]), ARGV[i + OWN + 1]
   local n = #hs / HW
   if not c.record or n == 0 then return end
   local fresh = now - c.refresh
@@ -144,7 +144,7 @@ local function granted(i, id, token)
   seen[i], ends[i] = nil, nil
 end
 
-local out = acquire_all(6, { choose = choose, granted = granted })
+local out = acquire_all(OWN + 3, { choose = choose, granted = granted })
 if out.err or #ARGV <= HEAD then return out end
 local c = settings(ARGV[HEAD + 4])
 bound_index(now, c.ttl, c.max_blocks, c.budget, total)

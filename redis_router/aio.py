@@ -91,6 +91,8 @@ class AsyncRedisLoadBalancer:
         router_kwargs: Mapping[str, Any] | None = None,
         affinity_margin: int | None = None,
         affinity_ratio: float | None = None,
+        group_cap: int | None = None,
+        group_by: str | None = None,
         coalesce: bool = True,
         **policy_options: Any,
     ) -> None:
@@ -110,6 +112,8 @@ class AsyncRedisLoadBalancer:
             rng=rng,
             affinity_margin=affinity_margin,
             affinity_ratio=affinity_ratio,
+            group_cap=group_cap,
+            group_by=group_by,
         )
         self._keeper: asyncio.Future[None] | None = None
         self._initial = validation.servers_mapping(servers) if servers is not None else {}
@@ -204,7 +208,7 @@ class AsyncRedisLoadBalancer:
             return (await self._acquire([request_id], tokens, [fields]))[0]
         # The policy's arguments are made (and checked) here: bad fields fail their own
         # caller, never the batch it would have joined.
-        args = self._core.policy.request_args(fields) if self._core.policy.arity else ()
+        args = self._core.request_args(request_id, fields)
         return await self._acquires.submit((request_id, token, args))
 
     async def _acquire_batch(self, items: list[_AcquireItem]) -> list[Grant | BaseException]:
@@ -352,7 +356,7 @@ class AsyncRedisLoadBalancer:
         return await self._run(self._core.destroy())
 
     def require_acquire_fields(self) -> list[str]:
-        return list(self._core.policy.acquire_fields)
+        return list(self._core.acquire_fields)
 
     def require_release_fields(self) -> list[str]:
         return list(self._core.policy.release_fields)

@@ -92,6 +92,8 @@ class RedisLoadBalancer:
         router_kwargs: Mapping[str, Any] | None = None,
         affinity_margin: int | None = None,
         affinity_ratio: float | None = None,
+        group_cap: int | None = None,
+        group_by: str | None = None,
         **policy_options: Any,
     ) -> None:
         self._core, redis = build_core(
@@ -108,6 +110,8 @@ class RedisLoadBalancer:
             rng=rng,
             affinity_margin=affinity_margin,
             affinity_ratio=affinity_ratio,
+            group_cap=group_cap,
+            group_by=group_by,
         )
         checked = validation.servers_mapping(servers) if servers is not None else {}
         self._keeper: keeper.ThreadKeeper | None = None
@@ -310,7 +314,7 @@ class RedisLoadBalancer:
         return self._run(self._core.destroy())
 
     def require_acquire_fields(self) -> list[str]:
-        return list(self._core.policy.acquire_fields)
+        return list(self._core.acquire_fields)
 
     def require_release_fields(self) -> list[str]:
         return list(self._core.policy.release_fields)

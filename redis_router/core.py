@@ -86,12 +86,18 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "policy": None,
     "affinity_margin": None,
     "affinity_ratio": None,
+    "group_cap": None,
+    "group_by": None,
 }
+# The acquire field naming a request's group (GRPO: the samples of one prompt).
+GROUP_FIELD = "group_id"
+MAX_GROUP_CAP = 1_000_000
+MAX_GROUP_BY = 16
 # Bounds of the affinity options: a margin in in-flight requests, a ratio of in-flight counts.
 MAX_AFFINITY_MARGIN = 1_000_000
 MAX_AFFINITY_RATIO = 1_000_000.0
 # Fields of P.."config" every process must share, in the order the scripts send them.
-PINNED_SETTINGS = ("sticky_ttl_ms", "affinity_margin", "affinity_ratio")
+PINNED_SETTINGS = ("sticky_ttl_ms", "affinity_margin", "affinity_ratio", "group_cap", "group_by")
 
 
 def build_core(
@@ -181,6 +187,29 @@ def _ratio(value: Any) -> float | None:
     return float(value)
 
 
+def _cap(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"group_cap must be an int or None, got {type(value).__name__}")
+    if not 1 <= value <= MAX_GROUP_CAP:
+        raise ValueError(f"group_cap must be in [1, {MAX_GROUP_CAP}], got {value}")
+    return value
+
+
+def _separator(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"group_by must be a str (a separator) or None, got {type(value).__name__}")
+    if not 1 <= len(value) <= MAX_GROUP_BY or not value.isprintable() or value.isspace():
+        raise ValueError(
+            f"group_by must be 1 to {MAX_GROUP_BY} printable characters, not only white "
+            f"space (a separator such as '-'), got {value!r}"
+        )
+    return value
+
+
 def _nothing() -> None:
     pass
 
@@ -212,6 +241,8 @@ class BalancerCore:
         policy: RoutingPolicy,
         affinity_margin: int | None = None,
         affinity_ratio: float | None = None,
+        group_cap: int | None = None,
+        group_by: str | None = None,
     ) -> None:
         self.name = validation.name(name)
         self.prefix = f"rr:{{{self.name}}}:"
@@ -237,10 +268,16 @@ class BalancerCore:
         # function of its id); the values sent are the ones pinned ("" = off).
         self.affinity_margin = _margin(affinity_margin)
         self.affinity_ratio = _ratio(affinity_ratio)
+        # Group affinity: group_cap members of a group in a row on one replica (None: no cap);
+        # group_by derives a group from the request id. Both off under full_determinism too.
+        self.group_cap = _cap(group_cap)
+        self.group_by = _separator(group_by)
         on = not full_determinism
         self.routing = (
             str(self.affinity_margin) if on and self.affinity_margin is not None else "",
             repr(self.affinity_ratio) if on and self.affinity_ratio is not None else "",
+            str(self.group_cap) if on and self.group_cap is not None else "",
+            self.group_by if on and self.group_by is not None else "",
         )
         self.lease_ms = round(self.lease_ttl * 1000)
         self.max_age_ms = round(self.max_lease_age * 1000)
@@ -323,7 +360,7 @@ class BalancerCore:
             theirs = f"{int(pinned) / 1000:g}s" if pinned.isdigit() else repr(pinned)
         else:
             what = f"{field}={mine or 'off'}"
-            if self.full_determinism and field.startswith("affinity"):
+            if self.full_determinism and field != "sticky_ttl_ms":
                 what += " (full_determinism turns it off)"
             theirs = pinned or "off"
         return ConfigMismatch(
@@ -359,23 +396,26 @@ class BalancerCore:
         n = len(request_ids)
         if fields is not None and len(fields) != n:
             raise ValueError(f"got {len(fields)} field sets for {n} request ids; give one each")
-        if args is None and policy.arity and fields is not None:
-            args = [policy.request_args(f) for f in fields]
-        if n == 1 and policy.arity == 0 and (tokens is None or len(tokens) == 1):
+        if args is None and (
+            policy.arity
+            or self.group_by is not None
+            or (fields is not None and any(GROUP_FIELD in f for f in fields))
+        ):
+            given = fields if fields is not None else [_NO_FIELDS] * n
+            args = [self.request_args(rid, f) for rid, f in zip(request_ids, given, strict=True)]
+        if n == 1 and args is None and (tokens is None or len(tokens) == 1):
             token = tokens[0] if tokens else new_token()  # the common case, without loops
-            argv = (*self._acquire_head, request_ids[0], token, str(rand(RAND_BITS)))
+            argv = (*self._acquire_head, request_ids[0], token, str(rand(RAND_BITS)), "")
             sid, meta, how = yield Call(script, argv)
             sid = _str(sid)
             self.held[token] = time.monotonic()
             return [Grant(sid, self.handle(sid, meta), request_ids[0], token, how == 1)]
         tokens = tokens or new_tokens(n)
         flat: list[Any] = list(self._acquire_head)
-        if policy.arity == 0:
+        if args is None:
             for rid, token in zip(request_ids, tokens, strict=True):
-                flat += (rid, token, str(rand(RAND_BITS)))
+                flat += (rid, token, str(rand(RAND_BITS)), "")
         else:
-            if args is None:
-                args = [policy.request_args(_NO_FIELDS)] * n
             for rid, token, extra in zip(request_ids, tokens, args, strict=True):
                 flat += (rid, token, str(rand(RAND_BITS)), *extra)
         raw = yield Call(script, tuple(flat))
@@ -387,6 +427,36 @@ class BalancerCore:
                 map(_str, raw[0::3]), raw[1::3], raw[2::3], request_ids, tokens, strict=True
             )
         ]
+
+    def group_of(self, request_id: str, fields: Mapping[str, Any]) -> str:
+        """A request's group ("" = none): its ``group_id`` field, else its request id up to the
+        last ``group_by`` separator ("prompt17-s3" -> "prompt17" with "-"). Off under
+        full_determinism, where a replica is a function of the request id alone."""
+        given = fields.get(GROUP_FIELD)
+        if given is not None:
+            group = validation.request_id(given, GROUP_FIELD)
+        elif self.group_by is not None:
+            head, sep, _ = request_id.rpartition(self.group_by)
+            group = head if sep else ""
+        else:
+            return ""
+        return "" if self.full_determinism else group
+
+    def request_args(self, request_id: str, fields: Mapping[str, Any]) -> tuple[str, ...]:
+        """A request's script arguments after (request id, token, random integer): its group,
+        then its policy's own; checked before anything is sent."""
+        group = self.group_of(request_id, fields)
+        if self.policy.arity:
+            return (group, *self.policy.request_args(fields))
+        return (group,)
+
+    @property
+    def acquire_fields(self) -> tuple[str, ...]:
+        """The request fields acquires read: the policy's, and group_id while groups are on."""
+        fields = self.policy.acquire_fields
+        if self.group_cap is not None or self.group_by is not None:
+            fields = (*fields, GROUP_FIELD)
+        return fields
 
     def release(self, server_id: str, request_id: str | None, token: str | None = None) -> Op[bool]:
         return (yield from self.release_many([(server_id, request_id, token)]))[0]
@@ -565,6 +635,8 @@ class BalancerCore:
             "max_lease_age": self.max_lease_age,
             "affinity_margin": self.affinity_margin,
             "affinity_ratio": self.affinity_ratio,
+            "group_cap": self.group_cap,
+            "group_by": self.group_by,
             "holders": dict(
                 zip(("live", "dead", "awaiting_reclaim"), map(int, holders), strict=True)
             ),

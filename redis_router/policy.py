@@ -11,7 +11,7 @@ path can bypass it. A plugin is a policy plus its YAML (``policy: <name>``)::
         name = "shortest"
         script_path = Path(__file__).with_name("shortest.lua")
         acquire_fields = ("prompt_ids",)
-        arity = 1  # arguments per request after (request id, token, random integer)
+        arity = 1  # arguments per request after the core's four (read at ARGV[i + OWN])
 
         def request_args(self, fields):
             return (str(len(fields.get("prompt_ids") or ())),)

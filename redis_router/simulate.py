@@ -80,7 +80,7 @@ _RANDOM_LUA = """
 -- The simulator's random router: uniform over the replicas taking new sessions (client
 -- entropy in ARGV), with the core's leases and stickiness (acquire_all).
 -- Uses     lib/base, lib/leases, lib/picking, lib/acquiring
-return acquire_all(3, {
+return acquire_all(OWN, {
   choose = function(i)
     local n = redis.call('ZCARD', P .. 'load')
     local r = tonumber(ARGV[i + 2]) % n

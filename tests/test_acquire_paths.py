@@ -3,7 +3,7 @@
 ``lib/acquiring.lua`` keeps a straight procedure for one request (``acquire_one``, the common
 case) beside the batch procedure (``acquire_all``). Random sequences of acquires (new
 sessions, repeated ids, sticky turns), releases, drains and undrains are run on two balancers
-with the same tie-break seed and options (the affinity margin and ratio among them): one
+with the same tie-break seed and options (affinity margin and ratio, groups and their cap): one
 acquires request by request (the fast path), the other in batches of two or more (the batch
 path). Every grant, every count and every re-pin must agree.
 """
@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from . import invariants
 
 SERVERS = {f"s{i}": None for i in range(4)}
-IDS = [f"r{i}" for i in range(7)]
+# Ids of three groups (group_by "-": the group is the part before the last "-").
+IDS = [f"g{i % 3}-{i}" for i in range(7)]
 _names = itertools.count()
 
 STEP = st.one_of(
@@ -32,10 +33,12 @@ STEP = st.one_of(
 
 
 def _sticky(r: Any, name: str) -> dict[str, str]:
-    """Every live sticky entry, whichever time bucket holds it."""
+    """Every live sticky entry and group placement, whichever time bucket holds it."""
     out: dict[str, str] = {}
     for key in sorted(r.keys(invariants.prefix(name) + "sticky:*")):
         out.update(r.hgetall(key))
+    for key in sorted(r.keys(invariants.prefix(name) + "group:*")):
+        out.update({"group " + k: v for k, v in r.hgetall(key).items()})
     return out
 
 
@@ -50,12 +53,20 @@ def _sticky(r: Any, name: str) -> dict[str, str]:
     full=st.booleans(),
     margin=st.sampled_from([None, 0, 1, 2]),
     ratio=st.sampled_from([None, 1.0, 1.5]),
+    groups=st.sampled_from([None, (None, "-"), (1, "-"), (2, "-")]),
 )
 def test_batches_route_exactly_as_one_request_at_a_time(
-    make_lb, r, seed, steps, full, margin, ratio
+    make_lb, r, seed, steps, full, margin, ratio, groups
 ):
     n = next(_names)
-    opts: dict[str, Any] = dict(full_determinism=full, affinity_margin=margin, affinity_ratio=ratio)
+    cap, by = groups or (None, None)
+    opts: dict[str, Any] = dict(
+        full_determinism=full,
+        affinity_margin=margin,
+        affinity_ratio=ratio,
+        group_cap=cap,
+        group_by=by,
+    )
     one = make_lb(SERVERS, name=f"one{n}", rng=random.Random(seed), **opts)
     many = make_lb(SERVERS, name=f"many{n}", rng=random.Random(seed), **opts)
     held: list[tuple[str, str]] = []

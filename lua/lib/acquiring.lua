@@ -26,6 +26,68 @@ local function overloaded(old)
   return (not MARGIN or s - m > MARGIN) and (not RATIO or s > RATIO * math.max(m, 1))
 end
 
+-- Group affinity (a request's group id, ARGV[i + 3]; "" = none): a new session of a group
+-- goes where the group's last member went while that replica takes new sessions and holds
+-- fewer than CAP (ARGV[9], nil = no cap) members placed there in a row; else the policy
+-- places it and the group follows it there. Entries live in time buckets as sticky ones do.
+-- GRP: group id -> { id, n (members in a row), b (its bucket) }, read once per script; the
+-- writes go at the end (group_flush), so a batch and one request at a time end the same.
+local CAP = nil
+local GRP, GRP_DIRTY = {}, {}
+
+local function group_state(g, cur, span)
+  local s = GRP[g]
+  if s then return s end
+  s = {}
+  for b = cur, cur - span, -1 do
+    local e = redis.call('HGET', P .. 'group:' .. int(b), g)
+    if e then
+      local k = string.find(e, SEP, 1, true)
+      s.id, s.n, s.b = string.sub(e, 1, k - 1), tonumber(string.sub(e, k + 1)), b
+      break
+    end
+  end
+  GRP[g] = s
+  return s
+end
+
+-- The replica a new member of group g joins, or nil: the policy decides.
+local function group_target(g, cur, span)
+  local s = group_state(g, cur, span)
+  if s.id and (not CAP or s.n < CAP) and redis.call('ZSCORE', LOAD, s.id) then return s.id end
+  return nil
+end
+
+local function group_joined(g, id)
+  local s = GRP[g]
+  if s.id == id then
+    s.n = s.n + 1
+  else
+    s.id, s.n = id, 1
+  end
+  if not s.dirty then
+    s.dirty = true
+    GRP_DIRTY[#GRP_DIRTY + 1] = g
+  end
+end
+
+-- Write the groups joined in this script to the newest bucket (one HSET), moving them out of
+-- older ones; a bucket gets its expiry when a group first enters it.
+local function group_flush(cur, width, ttl)
+  if #GRP_DIRTY == 0 then return end
+  local key, kv, fresh = P .. 'group:' .. int(cur), {}, false
+  for _, g in ipairs(GRP_DIRTY) do
+    local s = GRP[g]
+    if s.b ~= cur then
+      fresh = true
+      if s.b then redis.call('HDEL', P .. 'group:' .. int(s.b), g) end
+    end
+    kv[#kv + 1], kv[#kv + 2] = g, s.id .. SEP .. int(s.n)
+  end
+  flat_call('HSET', key, kv)
+  if fresh then redis.call('PEXPIREAT', key, int((cur + 1) * width + ttl)) end
+end
+
 -- One request (the common case): the straight sequential procedure, without the batch's
 -- tables. Its arguments start at ARGV[i]; the caller has reaped and knows `now` and `cur`.
 local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
@@ -53,9 +115,15 @@ local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
       if not LL.min and not load_peek() then
         return redis.error_reply('NOSERVERS no replica is accepting new sessions')
       end
-      id, how = policy.choose(i), 0
+      local g = not moved and ARGV[i + 3]
+      if g == '' then g = nil end
+      id, how = g and group_target(g, cur, span) or policy.choose(i), 0
       redis.call('ZINCRBY', LOAD, '1', id)
       if moved and id ~= old then redis.call('HINCRBY', P .. 'repins', old, '1') end
+      if g then
+        group_joined(g, id)
+        group_flush(cur, width, ttl)
+      end
     end
   end
   local at = int(now)
@@ -91,9 +159,10 @@ end
 -- ARGV[1] holder's lease ttl (ms: its heartbeat deadline is pushed to now + this),
 -- ARGV[2] sticky bucket width (ms), ARGV[3] sticky ttl (ms), ARGV[4] buckets to search back,
 -- ARGV[5] router flag (core: 1 = full_determinism), ARGV[6] holder, ARGV[7] affinity margin,
--- ARGV[8] affinity ratio ("" = off: a sticky session stays however loaded its replica is);
+-- ARGV[8] affinity ratio ("" = off: a sticky session stays however loaded its replica is),
+-- ARGV[9] group cap ("" = none), ARGV[10] group_by (only checked against the pinned one);
 -- then `stride` arguments per request starting at ARGV[HEAD + 1]: request id, lease token,
--- random integer, then the router's own.
+-- random integer, group id ("" = none), then the router's own from ARGV[i + OWN].
 -- `policy` is the routing policy's Lua side, a table of functions of the ARGV index i where a
 -- request's arguments start: choose(i) picks the replica for a new session (nil: none);
 -- weight(i), if given, is the request's weight (a number >= 0) for the replica's weighted
@@ -113,9 +182,9 @@ local function acquire_all(stride, policy)
   local cur = math.floor(now / width)
   -- An acquire is a heartbeat of its holder, and reaps nothing: the holders' keepers do,
   -- in short calls of their own, so no acquire is slowed by another process's crash.
-  local refused = heartbeat(holder, now, lease_ms, ARGV[3], ARGV[7], ARGV[8])
+  local refused = heartbeat(holder, now, lease_ms, ARGV[3], ARGV[7], ARGV[8], ARGV[9], ARGV[10])
   if refused then return refused end
-  MARGIN, RATIO = tonumber(ARGV[7]), tonumber(ARGV[8])
+  MARGIN, RATIO, CAP = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
   if #ARGV == HEAD + stride then
     return acquire_one(HEAD + 1, policy, now, cur, holder, width, ttl, span)
   end
@@ -204,16 +273,18 @@ local function acquire_all(stride, policy)
     else
       local old, ob = sid[req], sb[req]
       local zs = old and pool(old)
-      if zs == LOAD and (MARGIN or RATIO) and overloaded(old) then zs = nil end
+      local moved = zs == LOAD and (MARGIN or RATIO) and overloaded(old)
+      if moved then zs = nil end
       if zs then
         id, how = old, 1
         hits[id] = (hits[id] or 0) + 1
         if hits[id] == 1 then hit_ids[#hit_ids + 1] = id end
       else
-        zs, how, id = LOAD, 0, policy.choose(i)
-        if old and id ~= old and pool(old) == LOAD then
-          redis.call('HINCRBY', P .. 'repins', old, '1')
-        end
+        local g = not moved and ARGV[i + 3]
+        if g == '' then g = nil end
+        zs, how, id = LOAD, 0, g and group_target(g, cur, span) or policy.choose(i)
+        if moved and id ~= old then redis.call('HINCRBY', P .. 'repins', old, '1') end
+        if g then group_joined(g, id) end
       end
       local score = redis.call('ZINCRBY', zs, '1', id)
       if zs == LOAD then load_incremented(score, id) end
@@ -283,6 +354,7 @@ local function acquire_all(stride, policy)
   end
   for _, id in ipairs(hit_ids) do redis.call('HINCRBY', P .. 'sticky_hits', id, int(hits[id])) end
   for b, gone in pairs(sticky_del) do flat_call('HDEL', P .. 'sticky:' .. int(b), gone) end
+  group_flush(cur, width, ttl)
   if ns > 0 then
     local curs = int(cur)
     local key, nkey = P .. 'sticky:' .. curs, P .. 'stickyn:' .. curs

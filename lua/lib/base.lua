@@ -19,8 +19,10 @@
 --   P.."stickyn:"..b    HASH  server id -> sessions in bucket b (expires with it)
 --   P.."acquires", P.."sticky_hits", P.."reclaimed"   HASH  server id -> counter
 --   P.."config"         HASH  settings every process must share (sticky_ttl_ms,
---                             affinity_margin, affinity_ratio; "" = off)
+--                             affinity_margin, affinity_ratio, group_cap, group_by; "" = off)
 --   P.."repins"         HASH  server id -> sticky sessions moved off it by the affinity margin
+--   P.."group:"..b      HASH  group id -> server id.."\31"..members placed there in a row,
+--                             groups last joined in time bucket b (expires as sticky:b does)
 --   P.."weighted"       ZSET  server id -> sum of the weights of its leases (0 unless a policy
 --                             weighs requests, e.g. by prompt tokens)
 -- Invariants (docs/design.md): I1 ZSCORE load|draining id == ZCARD held:id after every script,
@@ -33,8 +35,11 @@ local SEP = '\31'
 local LOAD = P .. 'load'
 -- ARGV[1..HEAD] of every acquire: lease ttl (ms), sticky bucket width (ms), sticky ttl (ms),
 -- buckets to search back, router flag, holder, affinity margin (in-flight requests, "" = off),
--- affinity ratio ("" = off). Requests start at ARGV[HEAD + 1].
-local HEAD = 8
+-- affinity ratio ("" = off), group cap (members, "" = none), group_by (pinned only).
+-- Requests start at ARGV[HEAD + 1]; each has OWN core arguments (request id, lease token,
+-- random integer, group id or "") before a policy's own, which start at ARGV[i + OWN].
+local HEAD = 10
+local OWN = 4
 -- Hot path: a redis.call costs ~0.2 us, and turning a number into a string ~0.3 us (Lua's
 -- tostring and the server's "%.17g" both go through printf for doubles), against ~0.03 us
 -- for int() below. So the acquire and release paths pass integers through int(), constants

@@ -85,7 +85,7 @@ local function reap(now, budget)
 end
 
 -- The settings every process of a balancer must share, as fields of P.."config" ("" = off).
-local PINNED = { 'sticky_ttl_ms', 'affinity_margin', 'affinity_ratio' }
+local PINNED = { 'sticky_ttl_ms', 'affinity_margin', 'affinity_ratio', 'group_cap', 'group_by' }
 
 -- Mark a holder alive until now + ttl (never moving its deadline back). The first time it is
 -- seen (or again after it was declared dead, or the keys were lost) its process's settings
