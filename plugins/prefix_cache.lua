@@ -146,6 +146,6 @@ end
 
 local out = acquire_all(OWN + 3, { choose = choose, granted = granted })
 if out.err or #ARGV <= HEAD then return out end
-local c = settings(ARGV[HEAD + 4])
+local c = settings(ARGV[HEAD + 1 + OWN])
 bound_index(now, c.ttl, c.max_blocks, c.budget, total)
 return out

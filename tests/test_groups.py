@@ -152,3 +152,15 @@ def test_bad_group_id_is_refused_before_sending(make_lb, r):
     with pytest.raises(ValueError, match="group_id"):
         lb.acquire_server("a", group_id="")
     assert lb.get_total_inflight() == 0
+
+
+def test_a_lone_retry_reads_the_policy_arguments_after_the_group(server, r):
+    """A call that places nothing new still finds the policy's own arguments at i + OWN."""
+    lb = PrefixCacheRouter(SERVERS, redis=server.url, name="grp-retry", group_by="-")
+    try:
+        lease = lb.acquire("p-1", prompt_ids=list(range(64)))
+        again = lb.acquire("p-1", token=lease.token, prompt_ids=list(range(64)))
+        assert again.server_id == lease.server_id and lb.get_total_inflight() == 1
+        invariants.check(r, lb.name)
+    finally:
+        lb.close()
