@@ -35,8 +35,25 @@ def pair_loop(lb: RedisLoadBalancer) -> Callable[[int], None]:
     return run
 
 
+def group_pair_loop(lb: RedisLoadBalancer) -> Callable[[int], None]:
+    """n pairs whose request ids name GRPO groups of 8 ("<prompt>-<sample>", group_by "-"):
+    the first of a group is placed by the policy, the others follow it."""
+
+    def run(n: int) -> None:
+        acquire, release = lb.acquire_server, lb.release_server
+        for k in range(n):
+            if k % 8 == 0:
+                prompt = uuid.uuid4().hex
+            rid = f"{prompt}-{k % 8}"
+            sid, _ = acquire(rid)
+            release(sid, rid)
+
+    return run
+
+
 def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
     small = RedisLoadBalancer(servers(8), redis=client, name="bench-lat-8")
+    grouped = RedisLoadBalancer(servers(8), redis=client, name="bench-lat-group", group_by="-")
     large = RedisLoadBalancer(servers(4096), redis=client, name="bench-lat-4096")
     noop_sha = client.script_load(NOOP)
     prefix = small._core.prefix
@@ -47,15 +64,16 @@ def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
             evalsha(noop_sha, 1, prefix)
             evalsha(noop_sha, 1, prefix)
 
-    pair8, pair4096 = pair_loop(small), pair_loop(large)
-    for warm in (noop, pair8, pair4096):
+    pair8, pair4096, group8 = pair_loop(small), pair_loop(large), group_pair_loop(grouped)
+    for warm in (noop, pair8, pair4096, group8):
         warm(max(50, sizes.block // 2))
     t_pair, t_noop, ratio = interleaved(pair8, noop, sizes.rounds, sizes.block)
     t_large, t_small, flat = interleaved(pair4096, pair8, sizes.rounds, sizes.block)
+    t_group, t_plain, by_group = interleaved(group8, pair8, sizes.rounds, sizes.block)
     n = sizes.rounds * sizes.block
     single = server_time(client, pair8, n) / n
     batched = server_time(client, batch_loop(small, BATCH), n) / n
-    for lb in (small, large):
+    for lb in (small, large, grouped):
         lb.destroy()
     return [
         Row(
@@ -77,6 +95,16 @@ def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
             baseline_value=t_small,
             ratio=flat,
             target=("<=", 1.3),
+        ),
+        Row(
+            "group_pair_vs_default",
+            "acquire+release pair with a group id (GRPO groups of 8), 8 replicas",
+            t_group,
+            "s",
+            baseline="default pair",
+            baseline_value=t_plain,
+            ratio=by_group,
+            target=("<=", 1.2),
         ),
         Row(
             "server_time_pair",

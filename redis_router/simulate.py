@@ -453,6 +453,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--no-bench", action="store_true", help="skip the acquire benchmark")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument(
+        "--rl",
+        action="store_true",
+        help="instead: the locality/balance trade of RL rollouts (sticky only, a global gate, "
+        "affinity margins, groups, prefix-cache), in virtual time (redis_router.simulate_rl)",
+    )
 
 
 def _quick(args: argparse.Namespace) -> argparse.Namespace:
@@ -521,6 +527,12 @@ def targets(results: Sequence[Result], bench: dict[str, float] | None) -> list[s
 
 def run(args: argparse.Namespace) -> int:
     """Run every (workload, router) pair, print the table and the targets."""
+    if args.rl:
+        from . import simulate_rl
+
+        with given_or_private_redis(getattr(args, "redis", None)) as (url, where):
+            print(f"simulate --rl: {simulate_rl.REPLICAS} replicas, {where}", file=sys.stdout)
+            return simulate_rl.main(url, args.seed, args.quick, sys.stdout)
     if args.quick:
         args = _quick(args)
     workloads = [w for w in args.workloads.split(",") if w]

@@ -60,3 +60,28 @@ def test_quick_run_reports_every_router_and_workload(server, tmp_path, capsys):
     assert "GRPO:" in printed and "multi-turn:" in printed and "acquire, 4k-token" in printed
     with server.client() as c:  # every balancer and simulated replica was cleaned up
         assert list(c.scan_iter(match="rr:*")) == [] and list(c.scan_iter(match="rrsim:*")) == []
+
+
+def test_rl_trade_reports_every_row_and_the_targets(server, capsys):
+    """Virtual time and a seeded tie-break: the run is deterministic, so its figures are
+    checked, not only its structure."""
+    assert simulate.main(["--rl", "--quick", "--redis", server.url]) == 0
+    printed = capsys.readouterr().out
+    for row in ("sticky only", "global gate 2/1.5", "margin 2", "groups, cap 8", "prefix-cache"):
+        assert f"| {row} |" in printed
+    assert "step time (s)" in printed and "re-prefilled tokens" in printed
+    assert "agent long tail:" in printed and "GRPO:" in printed and "every option on:" in printed
+
+
+def test_rl_trade_moves_sessions_only_with_a_margin_or_the_gate(server):
+    from redis_router import simulate_rl
+
+    rows = {(r.workload, r.row): r for r in simulate_rl.run_all(server.url, quick=True)}
+    assert rows[("agent", "sticky only")].reprefilled == 0
+    assert rows[("agent", "margin 2")].repins > 0
+    assert (
+        rows[("agent", "global gate 2/1.5")].reprefilled > rows[("agent", "margin 4")].reprefilled
+    )
+    for r in rows.values():
+        assert 0.0 <= r.hit_rate <= 1.0 and r.makespan > 0
+    assert rows[("grpo", "groups, cap 8")].hit_rate > rows[("grpo", "sticky only")].hit_rate

@@ -1,0 +1,310 @@
+"""`redis-router simulate --rl`: the trade between cache locality and balance in RL rollouts.
+
+Why: keeping a session on its replica saves re-prefilling its context; moving it evens the
+load. verl PR #6533 moves every sticky session while the pool is imbalanced (a global gate),
+verl PR #7435 moves a session only when its own replica is more than a margin above the least
+loaded one. This measures both, and group affinity, with the real balancer.
+
+Model. Virtual time (no sleeps), one process, the real balancer on a private or given Redis,
+with a seeded tie-break, so a run is deterministic. A replica serves its requests at once,
+sharing CAPACITY work units per second, each at most PER_REQUEST per second (decode speed),
+so a replica slows down past CAPACITY / PER_REQUEST requests, and further while the contexts
+it serves exceed its KV memory (KV_TOKENS: preemption and recompute, as in vllm-project/router
+#179 where one engine received every request). A request costs one unit per
+output token and PREFILL_COST per prompt token its replica does not hold. A replica holds the
+last context of each session it served and each GRPO prompt it prefilled (LRU, CACHE_TOKENS).
+A turn on another replica than the session's previous one re-prefills the session's whole
+context: those tokens are counted as re-prefilled.
+
+Workloads. ``agent``: long-context multi-turn sessions with a long tail (most run 2-5 turns,
+one in five 16-30; each turn adds 1-4k tokens of observations, so the long ones reach
+50-100k), started together, a tool call of 0.5-2 s between turns. ``grpo``: prompts sampled
+GROUP = 8 times (request ids "prompt<k>-s<j>", group_by "-"), two turns each.
+
+Columns: step time (makespan: the last session's end), re-prefilled tokens, token hit rate
+(prompt tokens held by the replica / prompt tokens), max/mean in-flight per replica in the
+tail (time-weighted, after half the sessions finished, while at least one request per
+replica is in flight).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import secrets
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .balancer import RedisLoadBalancer
+
+CAPACITY = 80.0  # work units per second a replica shares among its requests
+PER_REQUEST = 40.0  # work units per second one request can use (decode speed)
+PREFILL_COST = 0.01  # work units per prompt token not held by the replica
+KV_TOKENS = 200_000  # KV memory of a replica: past it, its requests slow down in proportion
+CACHE_TOKENS = 600_000  # tokens of context a replica keeps for later turns (LRU)
+GROUP = 8
+REPLICAS = 8
+
+# (row, router, options). The gate is #6533's dual threshold (sglang's cache-aware rule): the
+# pool is imbalanced while max - min > abs and max > rel * min (in-flight counts); a sticky
+# turn is then re-pinned to the least loaded replica.
+ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("sticky only", "least-loaded", {}),
+    ("global gate 32/1.0001", "gate", {"abs": 32, "rel": 1.0001}),
+    ("global gate 2/1.5", "gate", {"abs": 2, "rel": 1.5}),
+    ("margin 1", "least-loaded", {"affinity_margin": 1}),
+    ("margin 2", "least-loaded", {"affinity_margin": 2}),
+    ("margin 4", "least-loaded", {"affinity_margin": 4}),
+    ("groups, cap 4", "least-loaded", {"group_by": "-", "group_cap": 4}),
+    ("groups, cap 8", "least-loaded", {"group_by": "-", "group_cap": 8}),
+    ("prefix-cache", "prefix-cache", {}),
+    ("every option", "least-loaded", {"affinity_margin": 1, "group_by": "-", "group_cap": 4}),
+)
+
+
+@dataclass
+class Session:
+    """One conversation: its turns' (new prompt tokens, output tokens), and what it holds."""
+
+    rid: str
+    prompt: str  # the prompt's cache key (a GRPO group shares it)
+    turns: list[tuple[int, int]]
+    start: float
+    context: list[int] = field(default_factory=list)  # tokens so far (prefix-cache reads it)
+    replica: str | None = None
+    epoch: int = 0  # the gate re-pins by starting a new session id
+
+
+def sessions(workload: str, seed: int, quick: bool) -> list[Session]:
+    rng = random.Random(f"{workload}:{seed}")
+    out: list[Session] = []
+    if workload == "agent":
+        for k in range(48 if quick else 96):
+            n = rng.randint(16, 30) if rng.random() < 0.25 else rng.randint(2, 5)
+            turns = [(rng.randint(2048, 4096), rng.randint(200, 600))]
+            turns += [(rng.randint(1024, 4096), rng.randint(200, 600)) for _ in range(n - 1)]
+            out.append(Session(f"agent{k}", f"agent{k}", turns, rng.uniform(0, 2)))
+    else:
+        for k in range(8 if quick else 16):
+            first = (rng.randint(1024, 3072), 0)
+            for j in range(GROUP):
+                turns = [(first[0], rng.randint(300, 900)), (rng.randint(256, 1024), 300)]
+                out.append(Session(f"prompt{k}-s{j}", f"prompt{k}", turns, rng.uniform(0, 1)))
+    return out
+
+
+@dataclass
+class Row:
+    row: str
+    workload: str
+    makespan: float
+    reprefilled: int
+    hit_rate: float
+    tail_balance: float
+    repins: int
+
+
+class _Replica:
+    def __init__(self) -> None:
+        self.held: OrderedDict[str, int] = OrderedDict()  # cache key -> tokens held
+        self.size = 0
+
+    def holds(self, key: str) -> int:
+        n = self.held.get(key, 0)
+        if n:
+            self.held.move_to_end(key)
+        return n
+
+    def keep(self, key: str, tokens: int) -> None:
+        self.size += tokens - self.held.pop(key, 0)
+        self.held[key] = tokens
+        while self.size > CACHE_TOKENS and self.held:
+            self.size -= self.held.popitem(last=False)[1]
+
+
+def run_row(url: str, workload: str, row: str, router: str, opts: dict[str, Any], seed: int,
+            quick: bool) -> Row:  # fmt: skip
+    """One (workload, row): every session to its end, in virtual time."""
+    servers = {f"r{i}": None for i in range(REPLICAS)}
+    name = f"rl-{secrets.token_hex(3)}"
+    gate = opts if router == "gate" else None
+    kw = {} if gate else opts
+    if router == "prefix-cache":
+        from .plugins.prefix_cache import PrefixCacheRouter
+
+        lb: RedisLoadBalancer = PrefixCacheRouter(
+            servers, redis=url, name=name, rng=random.Random(seed), **kw
+        )
+    else:
+        lb = RedisLoadBalancer(servers, redis=url, name=name, rng=random.Random(seed), **kw)
+    wants_prompt = "prompt_ids" in lb.require_acquire_fields()
+    replicas = {sid: _Replica() for sid in servers}
+    rng = random.Random(seed)
+    todo = sessions(workload, seed, quick)
+    # (time, order, session index, turn index): a turn becomes ready
+    ready = [(s.start, k, k, 0) for k, s in enumerate(todo)]
+    heapq.heapify(ready)
+    running: dict[int, list[Any]] = {}  # session -> [replica, work left, turn]
+    order = len(todo)
+    now, finished, tail_from = 0.0, 0, len(todo) // 2
+    prompt_tokens = held_tokens = reprefilled = 0
+    tail_time = tail_weighted = 0.0
+    try:
+        while ready or running:
+            counts = {sid: 0 for sid in servers}
+            for rep, _, _ in running.values():
+                counts[rep] += 1
+            kv = {sid: 0 for sid in servers}
+            for k, (rep, _, _) in running.items():
+                kv[rep] += len(todo[k].context)
+            rates = {
+                sid: min(PER_REQUEST, CAPACITY / c) * min(1.0, KV_TOKENS / max(kv[sid], 1))
+                if c
+                else 0.0
+                for sid, c in counts.items()
+            }
+            t_done = min(
+                (now + left / rates[rep] for rep, left, _ in running.values()), default=None
+            )
+            t_ready = ready[0][0] if ready else None
+            t_next = min(t for t in (t_done, t_ready) if t is not None)
+            dt = t_next - now
+            total = sum(counts.values())
+            if finished >= tail_from and total >= REPLICAS and dt > 0:
+                tail_time += dt
+                tail_weighted += dt * max(counts.values()) / (total / REPLICAS)
+            for job in running.values():
+                job[1] -= dt * rates[job[0]]
+            now = t_next
+            for k in [k for k, job in running.items() if job[1] <= 1e-9]:
+                rep, _, turn = running.pop(k)
+                s = todo[k]
+                lb.release_server(rep, f"{s.rid}#{s.epoch}" if s.epoch else s.rid)
+                if turn + 1 < len(s.turns):
+                    heapq.heappush(ready, (now + rng.uniform(0.5, 2), order, k, turn + 1))
+                    order += 1
+                else:
+                    finished += 1
+            while ready and ready[0][0] <= now:
+                _, _, k, turn = heapq.heappop(ready)
+                s = todo[k]
+                new, out = s.turns[turn]
+                if gate and s.replica is not None and _imbalanced(lb, gate):
+                    s.epoch += 1  # a new id: placed on the least loaded, sticky from there
+                rid = f"{s.rid}#{s.epoch}" if s.epoch else s.rid
+                prompt = [*s.context, *_tokens(s.prompt if turn == 0 else rid, turn, new)]
+                fields = {"prompt_ids": prompt} if wants_prompt else {}
+                rep, _ = lb.acquire_server(rid, **fields)
+                cache = replicas[rep]
+                key = s.prompt if workload == "grpo" and turn == 0 else s.rid
+                held = min(cache.holds(key), len(prompt))
+                if s.replica is not None and rep != s.replica:
+                    reprefilled += len(s.context) - min(held, len(s.context))
+                prompt_tokens += len(prompt)
+                held_tokens += held
+                work = out + PREFILL_COST * (len(prompt) - held)
+                running[k] = [rep, work, turn]
+                output = _tokens(rid, turn + 1000, out)
+                s.context = prompt + output
+                s.replica = rep
+                cache.keep(key, len(prompt))
+                if key != s.rid:
+                    cache.keep(s.rid, len(s.context))
+                else:
+                    cache.keep(key, len(s.context))
+        repins = sum(x["repins"] for x in lb.get_status()["replicas"].values())
+    finally:
+        lb.destroy()
+        lb.close()
+    return Row(
+        row=row,
+        workload=workload,
+        makespan=now,
+        reprefilled=reprefilled,
+        hit_rate=held_tokens / prompt_tokens if prompt_tokens else 0.0,
+        tail_balance=tail_weighted / tail_time if tail_time else float("nan"),
+        repins=repins,
+    )
+
+
+def _tokens(key: str, turn: int, n: int) -> list[int]:
+    """n token ids, a function of (key, turn): a GRPO group's members share their prompt."""
+    r = random.Random(f"{key}:{turn}")
+    return [r.randrange(32_000) for _ in range(n)]
+
+
+def _imbalanced(lb: RedisLoadBalancer, gate: dict[str, Any]) -> bool:
+    counts = list(lb._run(lb._core.counts()).values())
+    lo, hi = min(counts), max(counts)
+    return bool(hi - lo > gate["abs"] and hi > gate["rel"] * lo)
+
+
+def run_all(url: str, seed: int = 1, quick: bool = False) -> list[Row]:
+    """Every row on the workloads it concerns (the gate and margins move multi-turn sessions,
+    groups place GRPO samples)."""
+    out = []
+    for workload in ("agent", "grpo"):
+        for row, router, opts in ROWS:
+            if workload == "agent" and row.startswith("groups"):
+                continue  # no groups in agent sessions
+            if workload == "grpo" and row.startswith(("global gate", "margin")):
+                continue  # GRPO samples are short: nothing for a gate or margin to move
+            out.append(run_row(url, workload, row, router, opts, seed, quick))
+    return out
+
+
+def main(url: str, seed: int, quick: bool, out: Any) -> int:
+    """Run every row, print the table and the targets (``redis-router simulate --rl``)."""
+    rows = run_all(url, seed, quick)
+    print(table(rows) + "\n", file=out)
+    for line in targets(rows):
+        print(line, file=out)
+    return 0
+
+
+def table(rows: Sequence[Row]) -> str:
+    lines = [
+        "| workload | row | step time (s) | re-prefilled tokens | token hit rate "
+        "| max/mean in-flight (tail) | re-pins |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.workload} | {r.row} | {r.makespan:.1f} | {r.reprefilled:,} "
+            f"| {r.hit_rate:.1%} | {r.tail_balance:.2f} | {r.repins} |"
+        )
+    return "\n".join(lines)
+
+
+def targets(rows: Sequence[Row]) -> list[str]:
+    """The targets, checked against this run's figures."""
+    by = {(r.workload, r.row): r for r in rows}
+    lines = []
+    sticky = by[("agent", "sticky only")]
+    gate = by[("agent", "global gate 2/1.5")]
+    best = min((by[("agent", f"margin {m}")] for m in (1, 2, 4)), key=lambda r: r.makespan)
+    cut = 1 - best.makespan / sticky.makespan
+    share = best.reprefilled / gate.reprefilled if gate.reprefilled else 0.0
+    ok = cut >= 0.10 and share < 1 / 3
+    lines.append(
+        f"- agent long tail: {best.row} cuts the step time {cut:.0%} against sticky only "
+        f"(target >= 10%) re-prefilling {share:.0%} of the tokens the aggressive global gate "
+        f"does (target < 33%): {'met' if ok else 'NOT met'}"
+    )
+    pc = by[("grpo", "prefix-cache")]
+    grp = max((by[("grpo", f"groups, cap {c}")] for c in (4, 8)), key=lambda r: r.hit_rate)
+    ratio = grp.hit_rate / pc.hit_rate if pc.hit_rate else float("inf")
+    lines.append(
+        f"- GRPO: {grp.row} reaches {ratio:.0%} of prefix-cache's token hit rate "
+        f"({grp.hit_rate:.1%} vs {pc.hit_rate:.1%}; target >= 95%): "
+        f"{'met' if ratio >= 0.95 else 'NOT met'}"
+    )
+    every = [by[(w, "every option")] for w in ("agent", "grpo")]
+    worst = max(r.tail_balance for r in every)
+    lines.append(
+        f"- every option on: max/mean in-flight in the tail {worst:.2f} at worst "
+        f"(target <= 1.5): {'met' if worst <= 1.5 else 'NOT met'}"
+    )
+    return lines
