@@ -12,7 +12,8 @@
 --          The procedure itself is acquire_all in lib/acquiring.lua, shared with every
 --          routing policy's script; this one is the default policy, least loaded.
 -- Error    "NOSERVERS ..." when some request has no replica to go to, "CONFIGMISMATCH <field>
---          <pinned>" when another process pinned other settings; nothing is written then.
+--          <pinned>" when another process pinned other settings; nothing of the requests is
+--          written then (the holder's heartbeat is: it came first).
 -- Uses     lib/base, lib/leases, lib/picking, lib/acquiring
 local deterministic = ARGV[5] == '1'
 return acquire_all(OWN, {

@@ -29,6 +29,9 @@ from .core import Call, Grant, Op, T, build_core, fields_per_request, new_tokens
 from .errors import NoServersAvailable, RedisRouterError, RedisUnavailable
 from .policy import LeastLoaded, RoutingPolicy
 
+# Seconds close() waits for the cancelled keeper task to finish.
+KEEPER_STOP_TIMEOUT = 5.0
+
 # A coalesced acquire: request id, the token of an earlier attempt (or None), the policy's
 # arguments for it.
 _AcquireItem = tuple[str, str | None, tuple[str, ...]]
@@ -370,8 +373,8 @@ class AsyncRedisLoadBalancer:
         if stopping is not None:
             stopping.cancel()
             if stopping.get_loop() is asyncio.get_running_loop():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await stopping
+                # Bounded: a heartbeat stuck in a dead connection must not hold up close().
+                await asyncio.wait({stopping}, timeout=KEEPER_STOP_TIMEOUT)
             with contextlib.suppress(RedisUnavailable):
                 await self._run(self._core.retire())
         if self._owns_client:
