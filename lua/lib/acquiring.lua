@@ -30,62 +30,67 @@ end
 -- goes where the group's last member went while that replica takes new sessions and holds
 -- fewer than CAP (ARGV[9], nil = no cap) members placed there in a row; else the policy
 -- places it and the group follows it there. Entries live in time buckets as sticky ones do.
--- GRP: group id -> { id, n (members in a row), b (its bucket) }, read once per script; the
--- writes go at the end (group_flush), so a batch and one request at a time end the same.
-local CAP = nil
-local GRP, GRP_DIRTY = {}, {}
+-- groups() makes the procedures on a script's first group, so a call without one defines
+-- none of them: state is group id -> { id, n (members in a row), b (its bucket) }, read once
+-- per script, and the writes go at the end (flush), so a batch and one request at a time end
+-- the same.
+local CAP, GROUPS = nil, nil
 
-local function group_state(g, cur, span)
-  local s = GRP[g]
-  if s then return s end
-  s = {}
-  for b = cur, cur - span, -1 do
-    local e = redis.call('HGET', P .. 'group:' .. int(b), g)
-    if e then
-      local k = string.find(e, SEP, 1, true)
-      s.id, s.n, s.b = string.sub(e, 1, k - 1), tonumber(string.sub(e, k + 1)), b
-      break
+local function groups(cur, span, width, ttl)
+  if GROUPS then return GROUPS end
+  local state, dirty = {}, {}
+  local function of(g)
+    local s = state[g]
+    if s then return s end
+    s = {}
+    for b = cur, cur - span, -1 do
+      local e = redis.call('HGET', P .. 'group:' .. int(b), g)
+      if e then
+        local k = string.find(e, SEP, 1, true)
+        s.id, s.n, s.b = string.sub(e, 1, k - 1), tonumber(string.sub(e, k + 1)), b
+        break
+      end
     end
+    state[g] = s
+    return s
   end
-  GRP[g] = s
-  return s
-end
-
--- The replica a new member of group g joins, or nil: the policy decides.
-local function group_target(g, cur, span)
-  local s = group_state(g, cur, span)
-  if s.id and (not CAP or s.n < CAP) and redis.call('ZSCORE', LOAD, s.id) then return s.id end
-  return nil
-end
-
-local function group_joined(g, id)
-  local s = GRP[g]
-  if s.id == id then
-    s.n = s.n + 1
-  else
-    s.id, s.n = id, 1
-  end
-  if not s.dirty then
-    s.dirty = true
-    GRP_DIRTY[#GRP_DIRTY + 1] = g
-  end
-end
-
--- Write the groups joined in this script to the newest bucket (one HSET), moving them out of
--- older ones; a bucket gets its expiry when a group first enters it.
-local function group_flush(cur, width, ttl)
-  if #GRP_DIRTY == 0 then return end
-  local key, kv, fresh = P .. 'group:' .. int(cur), {}, false
-  for _, g in ipairs(GRP_DIRTY) do
-    local s = GRP[g]
-    if s.b ~= cur then
-      fresh = true
-      if s.b then redis.call('HDEL', P .. 'group:' .. int(s.b), g) end
-    end
-    kv[#kv + 1], kv[#kv + 2] = g, s.id .. SEP .. int(s.n)
-  end
-  flat_call('HSET', key, kv)
-  if fresh then redis.call('PEXPIREAT', key, int((cur + 1) * width + ttl)) end
+  GROUPS = {
+    -- The replica a new member of group g joins, or nil: the policy decides.
+    target = function(g)
+      local s = of(g)
+      if s.id and (not CAP or s.n < CAP) and redis.call('ZSCORE', LOAD, s.id) then return s.id end
+      return nil
+    end,
+    joined = function(g, id)
+      local s = of(g)
+      if s.id == id then
+        s.n = s.n + 1
+      else
+        s.id, s.n = id, 1
+      end
+      if not s.dirty then
+        s.dirty = true
+        dirty[#dirty + 1] = g
+      end
+    end,
+    -- The groups joined, to the newest bucket (one HSET), out of older ones; a bucket gets
+    -- its expiry when a group first enters it.
+    flush = function()
+      if #dirty == 0 then return end
+      local key, kv, fresh = P .. 'group:' .. int(cur), {}, false
+      for _, g in ipairs(dirty) do
+        local s = state[g]
+        if s.b ~= cur then
+          fresh = true
+          if s.b then redis.call('HDEL', P .. 'group:' .. int(s.b), g) end
+        end
+        kv[#kv + 1], kv[#kv + 2] = g, s.id .. SEP .. int(s.n)
+      end
+      flat_call('HSET', key, kv)
+      if fresh then redis.call('PEXPIREAT', key, int((cur + 1) * width + ttl)) end
+    end,
+  }
+  return GROUPS
 end
 
 -- One request (the common case): the straight sequential procedure, without the batch's
@@ -117,12 +122,13 @@ local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
       end
       local g = not moved and ARGV[i + 3]
       if g == '' then g = nil end
-      id, how = g and group_target(g, cur, span) or policy.choose(i), 0
+      local grp = g and groups(cur, span, width, ttl)
+      id, how = grp and grp.target(g) or policy.choose(i), 0
       redis.call('ZINCRBY', LOAD, '1', id)
       if moved and id ~= old then redis.call('HINCRBY', P .. 'repins', old, '1') end
-      if g then
-        group_joined(g, id)
-        group_flush(cur, width, ttl)
+      if grp then
+        grp.joined(g, id)
+        grp.flush()
       end
     end
   end
@@ -282,9 +288,10 @@ local function acquire_all(stride, policy)
       else
         local g = not moved and ARGV[i + 3]
         if g == '' then g = nil end
-        zs, how, id = LOAD, 0, g and group_target(g, cur, span) or policy.choose(i)
+        local grp = g and groups(cur, span, width, ttl)
+        zs, how, id = LOAD, 0, grp and grp.target(g) or policy.choose(i)
         if moved and id ~= old then redis.call('HINCRBY', P .. 'repins', old, '1') end
-        if g then group_joined(g, id) end
+        if grp then grp.joined(g, id) end
       end
       local score = redis.call('ZINCRBY', zs, '1', id)
       if zs == LOAD then load_incremented(score, id) end
@@ -354,7 +361,7 @@ local function acquire_all(stride, policy)
   end
   for _, id in ipairs(hit_ids) do redis.call('HINCRBY', P .. 'sticky_hits', id, int(hits[id])) end
   for b, gone in pairs(sticky_del) do flat_call('HDEL', P .. 'sticky:' .. int(b), gone) end
-  group_flush(cur, width, ttl)
+  if GROUPS then GROUPS.flush() end
   if ns > 0 then
     local curs = int(cur)
     local key, nkey = P .. 'sticky:' .. curs, P .. 'stickyn:' .. curs

@@ -84,17 +84,16 @@ local function reap(now, budget)
   return n, seen
 end
 
--- The settings every process of a balancer must share, as fields of P.."config" ("" = off).
-local PINNED = { 'sticky_ttl_ms', 'affinity_margin', 'affinity_ratio', 'group_cap', 'group_by' }
-
 -- Mark a holder alive until now + ttl (never moving its deadline back). The first time it is
 -- seen (or again after it was declared dead, or the keys were lost) its process's settings
--- (`...`: values in PINNED's order) are checked against the pinned ones, and a setting not
--- pinned yet is pinned: every process that acquires checks them, not only at start-up.
--- Returns an error reply "CONFIGMISMATCH <field> <pinned value>" on a mismatch, with nothing
--- pinned.
+-- (`...`, in PINNED's order) are checked against the pinned ones, and a setting not pinned yet
+-- is pinned: every process that acquires checks them, not only at start-up. Returns an error
+-- reply "CONFIGMISMATCH <field> <pinned value>" on a mismatch, with nothing pinned.
 local function heartbeat(holder, now, ttl, ...)
   if redis.call('ZADD', P .. 'holders', 'GT', int(now + ttl), holder) == 0 then return nil end
+  -- The settings every process of a balancer must share, as fields of P.."config" ("" = off)
+  -- (a table made only here: most calls of the scripts that load this part never get here).
+  local PINNED = { 'sticky_ttl_ms', 'affinity_margin', 'affinity_ratio', 'group_cap', 'group_by' }
   local mine = { ... }
   local pinned = redis.call('HMGET', P .. 'config', unpack(PINNED))
   local fresh = {}
