@@ -69,6 +69,22 @@ def impatient(server: Any) -> Iterator[redis.Redis]:
     c.close()
 
 
+@pytest.fixture(autouse=True)
+def _close_balancers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Close every balancer a test made, so no keeper beats into later tests' servers."""
+    made: list[RedisLoadBalancer] = []
+    real = RedisLoadBalancer.__init__
+
+    def tracked(self: RedisLoadBalancer, *a: Any, **kw: Any) -> None:
+        real(self, *a, **kw)
+        made.append(self)
+
+    monkeypatch.setattr(RedisLoadBalancer, "__init__", tracked)
+    yield
+    for lb in made:
+        lb.close()
+
+
 def _lb(client: redis.Redis, name: str) -> RedisLoadBalancer:
     """A balancer whose scripts are loaded, so every EVALSHA counted later is a copy of the
     call under test (a first use would add a NOSCRIPT reply and a resend of its own)."""

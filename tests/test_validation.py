@@ -15,9 +15,11 @@ from . import invariants
 
 
 def snapshot(server) -> dict[bytes, bytes]:
-    """Every key with its serialized value: equal snapshots mean nothing was written."""
+    """Every key with its serialized value: equal snapshots mean nothing was written. The
+    holders' heartbeat deadlines are left out: balancers that acquired earlier in the test keep
+    beating from the background, which is not a write of the call under test."""
     with server.client() as raw:
-        return {k: raw.dump(k) for k in raw.keys("*")}
+        return {k: raw.dump(k) for k in raw.keys("*") if not k.endswith(b":holders")}
 
 
 BAD_IDS = [
