@@ -30,6 +30,6 @@ for _, token in ipairs(overdue) do
     redis.call('ZREM', owned, token)
   end
 end
-redis.call('ZREMRANGEBYSCORE', P .. 'ended', '-inf', int(now - tonumber(ARGV[5])))
+rotate_ended(now, tonumber(ARGV[5]))
 local reclaimed, examined = reap(now, budget)
 return { known and 0 or 1, reclaimed, examined, overdue }

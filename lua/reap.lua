@@ -6,6 +6,6 @@
 -- Keeps    I1, I2: each lease of a dead holder is reclaimed exactly once, its count with it.
 -- Uses     lib/base, lib/leases
 local now = now_ms()
-redis.call('ZREMRANGEBYSCORE', P .. 'ended', '-inf', int(now - tonumber(ARGV[2])))
+rotate_ended(now, tonumber(ARGV[2]))
 local reclaimed, examined = reap(now, tonumber(ARGV[1]))
 return { reclaimed, examined }

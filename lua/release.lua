@@ -4,24 +4,32 @@
 --          unique per call, the same in a resent copy)
 --          With a token, that lease ends (the token decides the replica). With a request id,
 --          the oldest lease of that request on that replica ends; with neither, the oldest
---          lease on that replica.
+--          lease on that replica. A token written "?token" is a hint with a request id: the
+--          releasing process's own lease of that request, ended if it is still there (no
+--          index lookup), else the request's oldest lease on that replica.
 -- Returns  per quad: the token of the lease it ended (so the client knows which, also for a
 --          release by request id or replica), 1 if an earlier copy of this call ended it (a
 --          resend after a timeout), 0 if there was none (released twice, reclaimed, unknown or
 --          removed replica: a harmless no-op, I6).
 -- Keeps    I1 (count -1 with its lease, never below 0), I2, I6. Safe to resend: the
---          operation id is remembered in P.."ended" (trimmed by heartbeat.lua), so a second
+--          operation id is remembered in P.."ended" (rotated by heartbeat.lua), so a second
 --          copy reports the first one's result and never ends another lease.
 -- Uses     lib/base, lib/leases
-local now
 local function release(id, req, token, op)
   local rec, toks
   if token ~= '' then
+    local hinted = string.byte(token) == 63 -- "?token": the releasing process's own lease
+    if hinted then token = string.sub(token, 2) end
     rec = redis.call('HGET', P .. 'leases', token)
-    -- Not a lease (any more): ended by an earlier copy of this call, or by another.
-    if not rec then return redis.call('ZSCORE', P .. 'ended', op) and 1 or 0 end
-  else
-    if redis.call('ZSCORE', P .. 'ended', op) then return 1 end
+    if not rec then
+      -- Not a lease (any more): ended by an earlier copy of this call, or by another.
+      if was_ended(op) then return 1 end
+      if not hinted then return 0 end
+    end
+  elseif was_ended(op) then
+    return 1
+  end
+  if not rec then
     if req ~= '' then
       -- Every token listed under a request index field has that field as its record's start.
       toks = redis.call('HGET', P .. 'byreq', id .. SEP .. req)
@@ -32,8 +40,7 @@ local function release(id, req, token, op)
     if not token then return 0 end
   end
   end_lease(token, rec, toks)
-  now = now or now_ms()
-  redis.call('ZADD', P .. 'ended', now, op)
+  redis.call('HSET', P .. 'ended', op, '1')
   return token
 end
 

@@ -37,6 +37,9 @@ RECONCILE_MARGIN = 30.0
 # How long a release's key is remembered (ms), so that a copy resent after a timeout (redis-py
 # retries within ~15 s) reports the first copy's result and ends nothing else.
 RESEND_WINDOW_MS = 30_000
+# Before a token in a release, marks it as a hint: the lease this holder took for that request
+# on that replica, ended if it is still there, else the request's oldest lease there is.
+HINT = "?"
 # Sticky sessions live in time buckets of sticky_ttl / STICKY_BUCKETS: a session expires between
 # sticky_ttl and sticky_ttl * (1 + 1 / STICKY_BUCKETS) after its last turn.
 STICKY_BUCKETS = 4
@@ -305,6 +308,10 @@ class BalancerCore:
         # Tokens of the leases this holder holds (token -> when granted, monotonic s): what
         # reconcile() compares with Redis. Released tokens leave it before the release is sent.
         self.held: dict[str, float] = {}
+        # (replica, request id) -> the token of this holder's latest lease of that request
+        # there: a release by request id names it, so the script ends it without a lookup
+        # (a hint: the script falls back to the request index when that lease is gone).
+        self.latest: dict[tuple[str, str], str] = {}
         self._acquire_head = (
             str(self.lease_ms),
             str(self.width_ms),
@@ -409,6 +416,7 @@ class BalancerCore:
             sid, meta, how = yield Call(script, argv)
             sid = _str(sid)
             self.held[token] = time.monotonic()
+            self.latest[(sid, request_ids[0])] = token
             return [Grant(sid, self.handle(sid, meta), request_ids[0], token, how == 1)]
         tokens = tokens or new_tokens(n)
         flat: list[Any] = list(self._acquire_head)
@@ -421,12 +429,14 @@ class BalancerCore:
         raw = yield Call(script, tuple(flat))
         handle, now = self.handle, time.monotonic()
         self.held.update((token, now) for token in tokens)
-        return [
+        grants = [
             Grant(sid, handle(sid, meta), rid, token, how == 1)
             for sid, meta, how, rid, token in zip(
                 map(_str, raw[0::3]), raw[1::3], raw[2::3], request_ids, tokens, strict=True
             )
         ]
+        self.latest.update(((g.server_id, g.request_id), g.token) for g in grants)
+        return grants
 
     def group_of(self, request_id: str, fields: Mapping[str, Any]) -> str:
         """A request's group ("" = none): its ``group_id`` field, else its request id up to the
@@ -466,13 +476,19 @@ class BalancerCore:
         Each gets an operation id, made here, before the first send: a copy resent after a
         timeout is recognised by it, reports the first copy's result and ends nothing more."""
         flat: list[str] = []
-        held = self.held
+        held, latest = self.held, self.latest
         for (server_id, request_id, token), op in zip(
             releases, new_operations(len(releases)), strict=True
         ):
+            if request_id:
+                mine = latest.pop((server_id, request_id), None)
+                if token is None and mine is not None:
+                    token = HINT + mine  # "?token": this holder's lease of the request
+                elif mine is not None and mine != token:
+                    latest[(server_id, request_id)] = mine
             flat += (server_id, request_id or "", token or "", op)
             if token:
-                held.pop(token, None)  # let go even if the call fails: reconcile() ends it
+                held.pop(token.lstrip(HINT), None)  # even if the call fails: reconcile() ends it
         done = []
         for outcome in (yield Call(self._release, tuple(flat))):
             if isinstance(outcome, (str, bytes)):  # a release by request or replica: its token
@@ -501,6 +517,9 @@ class BalancerCore:
         in_redis = set(owned)
         for token in [t for t, at in held.items() if at < cutoff and t not in in_redis]:
             del held[token]
+        latest = self.latest
+        for key in [k for k, t in latest.items() if t not in held]:
+            del latest[key]
         if not stale:
             return 0
         return int((yield Call(load("forget"), (self.holder, RECONCILE_GRACE_MS, *stale))))

@@ -14,7 +14,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from redis_router import RedisLoadBalancer
+from redis_router import RedisLoadBalancer, core
+from redis_router.core import Call
+from redis_router.scripts import load
 
 from . import invariants
 
@@ -144,4 +146,60 @@ def test_a_second_release_of_the_same_token_by_another_lease_object_is_false(mak
     first = lb.acquire("req")
     again = lb.acquire("req", token=first.token)  # the same lease, held twice in this process
     assert first.release() and not again.release()
+    assert invariants.check(r, lb.name) == {"s0": 0}
+
+
+def test_a_resent_release_by_request_id_from_another_process_ends_one_lease(impatient, r, stall):
+    lb = _lb(impatient, "resend-request-other")
+    lb.acquire_server("same"), lb.acquire_server("same")
+    other = RedisLoadBalancer({"s0": None}, redis=impatient, name="resend-request-other")
+    assert _resent(r, lambda: other.release_server("s0", "same"), stall) is True
+    assert lb.get_inflight_count("s0") == 1
+    assert other.release_server("s0", "same") and not other.release_server("s0", "same")
+    assert invariants.check(r, lb.name) == {"s0": 0}
+
+
+def test_a_release_by_request_id_whose_own_lease_is_gone_ends_the_requests_other_one(make_lb, r):
+    a = make_lb({"s0": None})
+    b = make_lb({"s0": None}, name=a.name)
+    a.acquire_server("req")
+    b.acquire_server("req")
+    assert b.release_server("s0", "req")  # b names its own lease: a's stays
+    assert a.release_server("s0", "req") and not b.release_server("s0", "req")
+    a.acquire_server("req")
+    b.acquire_server("req")
+    assert b._run(b._core.release("s0", "req", a._core.latest[("s0", "req")]))  # a's, by token
+    assert a.release_server("s0", "req")  # a's own lease is gone: the request's other one ends
+    assert b.get_inflight_count("s0") == 0 and not b.release_server("s0", "req")
+    assert invariants.check(r, a.name) == {"s0": 0}
+
+
+def test_release_keys_are_remembered_a_window_and_forgotten_after_two(make_lb, r, monkeypatch):
+    """A release's operation id is recognised across one rotation of the remembered keys
+    (a resend within the window) and gone after the next: memory stays bounded."""
+    monkeypatch.setattr(core, "RESEND_WINDOW_MS", 50)
+    lb = make_lb({"s0": None}, lease_ttl=60)  # its keeper's own heartbeats are 15 s apart
+    ended, old = lb._core.prefix + "ended", lb._core.prefix + "ended:old"
+
+    def beat_after_window() -> None:
+        time.sleep(0.07)
+        lb._run(lb._core.heartbeat())
+
+    def op() -> Iterator[Call]:  # the same release call each time, as a resend sends it
+        return (yield Call(load("release"), ("s0", "a", "", "op-1")))  # type: ignore[misc]
+
+    def release_op_1() -> Any:
+        return lb._run(op())
+
+    lb.acquire_server("a")
+    assert release_op_1() != [0]
+    lb._run(lb._core.heartbeat())  # the generation's clock starts
+    beat_after_window()  # rotated: op-1 is in the old generation, still recognised
+    assert r.hexists(old, "op-1") and release_op_1() == [1]
+    r.hset(ended, "op-2", "1")
+    lb._run(lb._core.heartbeat())
+    beat_after_window()  # op-1's generation is dropped, op-2's is now the old one
+    assert not r.hexists(ended, "op-1") and not r.hexists(old, "op-1")
+    assert r.hexists(old, "op-2")
+    assert release_op_1() == [0]
     assert invariants.check(r, lb.name) == {"s0": 0}

@@ -56,6 +56,27 @@ local function end_lease(token, rec, toks)
   return id
 end
 
+-- Release keys (client-made operation ids) are remembered in two generations of hashes,
+-- P.."ended" and P.."ended:old": a release writes one HSET (no clock read, no sorted-set
+-- insert), and a heartbeat retires the current generation once it is `remember` ms old
+-- (rotate_ended), so a key is recognised for at least `remember` ms and at most about twice
+-- that. The generation's start is its field "@since" (operation ids are hex).
+local function was_ended(op)
+  return redis.call('HEXISTS', P .. 'ended', op) == 1
+    or redis.call('HEXISTS', P .. 'ended:old', op) == 1
+end
+
+local function rotate_ended(now, remember)
+  local ended = P .. 'ended'
+  local since = redis.call('HGET', ended, '@since')
+  if not since then
+    if redis.call('EXISTS', ended) == 1 then redis.call('HSET', ended, '@since', int(now)) end
+  elseif now - tonumber(since) >= remember then
+    redis.call('UNLINK', P .. 'ended:old') -- freed in the background: it may be large
+    redis.call('RENAME', ended, P .. 'ended:old')
+  end
+end
+
 -- Reclaim the leases of dead holders (deadline passed: the process stopped sending heartbeats),
 -- each exactly once (I2). At most `budget` entries are examined (a lease or a holder each), so
 -- one call stays short however many leases a crash left. Returns how many leases ended and
