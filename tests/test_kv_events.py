@@ -1,5 +1,6 @@
 """The exact KV-block index fed by the replicas' KV-cache events, on the wire format vLLM and
-SGLang publish (a tiny publisher of our own: tests/kv_publisher.py), on every server binary."""
+SGLang publish (a small publisher of our own:
+redis_router/kv_events/publisher.py), on every server binary."""
 
 from __future__ import annotations
 
@@ -24,9 +25,8 @@ from redis_router.kv_events import (
     replica_ports,
     streams_of,
 )
+from redis_router.kv_events.publisher import Publisher, cleared, removed, stored
 from redis_router.scripts import load_file
-
-from .kv_publisher import Publisher, cleared, removed, stored
 
 BS = 4  # tokens per engine block
 
