@@ -221,6 +221,50 @@ def test_a_gap_the_replay_cannot_fill_degrades_the_replica_until_its_cache_is_cl
     settle([sub], lambda: index_states(r, "kv", {"r0": meta})["r0"]["state"] == "exact")
 
 
+def test_a_stored_event_whose_tokens_do_not_fill_its_blocks_is_skipped(server, r, pubs, subs):
+    """Skipped as a block the router cannot look up is: one odd engine does not stop the
+    subscriber (and with it the index of every replica)."""
+    rng = random.Random(12)
+    pub = pubs()
+    meta = pub.meta()
+    RedisLoadBalancer({"r0": meta}, redis=server.url, name="kv").close()
+    sub = subs("kv")
+    good, short, later = prompt(rng, 2), prompt(rng, 2), prompt(rng, 1)
+    wide = [1 << 32, *prompt(rng, 1)[1:]]  # a token id that does not fit uint32
+    pub.publish(
+        [
+            stored([1, 2], None, short[:-1], BS, arrays=True),
+            stored([3], None, wide, BS, arrays=False),
+            stored([4, 5], None, good, BS, arrays=True),
+            stored([6], 1, prompt(rng, 1), BS, arrays=True),  # its parent was skipped
+        ]
+    )
+    pub.publish([stored([7], None, later, BS, arrays=False)])
+    settle([sub], lambda: holders(r, "kv") == expect({"r0": [good, later]}))
+    assert index_states(r, "kv", {"r0": meta})["r0"]["state"] == "exact"
+
+
+def test_an_undecodable_batch_in_the_replay_is_a_gap_not_a_crash(server, r, pubs, subs):
+    rng = random.Random(13)
+    pub = pubs()
+    meta = pub.meta()
+    RedisLoadBalancer({"r0": meta}, redis=server.url, name="kv").close()
+    sub = subs("kv")
+    first, after = prompt(rng, 1), prompt(rng, 1)
+    store_prompt(pub, first, 0, arrays=True)
+    settle([sub], lambda: holders(r, "kv") == expect({"r0": [first]}))
+    with pub.lock:  # a batch the subscriber missed, and that no msgpack decoder reads
+        pub.buffer.append((pub.seq, b"\xc1"))
+        pub.seq += 1
+    pub.publish([stored([20], None, after, BS, arrays=True)])
+    settle(
+        [sub], lambda: index_states(r, "kv", {"r0": meta})["r0"]["reason"] == "gap not replayable"
+    )
+    settle([sub], lambda: holders(r, "kv") == expect({"r0": [after]}))
+    pub.publish([cleared(arrays=True)])
+    settle([sub], lambda: index_states(r, "kv", {"r0": meta})["r0"]["state"] == "exact")
+
+
 def test_a_replica_restart_replaces_its_entries(server, r, pubs, subs):
     rng = random.Random(8)
     pub = pubs()

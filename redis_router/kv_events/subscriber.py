@@ -162,10 +162,16 @@ class KVEventSubscriber:
                 frames = sock.recv_multipart()
                 if frames and frames[0] == b"":
                     frames = frames[1:]
-                seq = decode_seq(frames[-2])
-                if seq == END_SEQ:
-                    return True, got
-                ts, events, _ = decode_batch(frames[-1])
+                try:
+                    seq = decode_seq(frames[-2])
+                    if seq == END_SEQ:
+                        return True, got
+                    ts, events, _ = decode_batch(frames[-1])
+                except ValueError as exc:  # left out: the index sees a gap it cannot fill
+                    log.warning(
+                        "%s rank %d: undecodable replay: %s", s.ep.server_id, s.ep.rank, exc
+                    )
+                    continue
                 got[seq] = (ts, events)
         finally:
             sock.close(linger=0)
