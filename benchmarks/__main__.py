@@ -51,6 +51,7 @@ ROW_IDS = (
     "kv_lag_p99",
     "kv_lag_p99_2_subscribers",
     "kv_lag_p99_vs_light_load",
+    "kv_lag_p99_64_replicas",
     "kv_redis_cpu_per_event",
 )
 

@@ -38,6 +38,7 @@ from .harness import Row, Sizes
 REPLICAS = 8
 RATE = 10_000.0  # events per second, all replicas together
 LIGHT_RATE = 1_000.0
+MANY_REPLICAS = 64  # the same events from 8x the streams: 8x the batches, each smaller
 TARGET = 0.050
 POLL = 0.001  # s the reader sleeps between polls
 
@@ -101,6 +102,7 @@ class Lag:
     reader_cpu: float = 0.0  # s, the reader's HGETALL usec over the window
     poll_period: float = 0.0
     mix: dict[str, int] = field(default_factory=dict)
+    worst: list[tuple[float, int, float]] = field(default_factory=list)  # (lag, replica, t)
 
     def pct(self, q: float) -> float:
         xs = sorted(self.lags)
@@ -121,6 +123,10 @@ class Lag:
             "reader_cpu_per_event_s": self.reader_cpu / max(1, self.events),
             "poll_period_s": round(self.poll_period, 5),
             "mix": self.mix,
+            "worst_batches": [
+                {"lag_s": round(lag, 4), "replica": i, "at_s": round(t, 3)}
+                for lag, i, t in sorted(self.worst, reverse=True)[:5]
+            ],
         }
 
 
@@ -152,11 +158,14 @@ def _wait_exact(client: redis.Redis, name: str, metas: dict[str, Any], timeout: 
     raise RuntimeError(f"the index of {name} did not become exact: {states}")
 
 
-def measure(url: str, name: str, rate: float, subscribers: int, sizes: Sizes) -> Lag:
-    """Publish at ``rate`` for the warm-up and window of ``sizes``; lags of the window's events."""
+def measure(
+    url: str, name: str, rate: float, subscribers: int, sizes: Sizes, replicas: int = REPLICAS
+) -> Lag:
+    """``replicas`` publish at ``rate`` in all for the warm-up and window of ``sizes``; the lags
+    of the window's events."""
     ctx = multiprocessing.get_context("spawn")
     here, there = ctx.Pipe()
-    pubs = ctx.Process(target=kv_engine.serve, args=(there, REPLICAS, rate, 7), daemon=True)
+    pubs = ctx.Process(target=kv_engine.serve, args=(there, replicas, rate, 7), daemon=True)
     pubs.start()
     stop = ctx.Event()
     subs: list[Any] = []
@@ -203,6 +212,7 @@ def measure(url: str, name: str, rate: float, subscribers: int, sizes: Sizes) ->
                     out.missing += n
                 else:
                     out.lags += [seen - ts] * n
+                    out.worst.append((seen - ts, i, ts - lo))
     finally:
         reader.stop.set()
         stop.set()
@@ -230,6 +240,7 @@ def run(url: str, sizes: Sizes) -> list[Row]:
     one = measure(url, "bench-kv-lag-1", RATE, 1, sizes)
     two = measure(url, "bench-kv-lag-2", RATE, 2, sizes)
     light = measure(url, "bench-kv-lag-light", LIGHT_RATE, 1, sizes)
+    many = measure(url, "bench-kv-lag-many", RATE, 1, sizes, replicas=MANY_REPLICAS)
     p99 = one.pct(0.99)
     return [
         Row(
@@ -262,6 +273,17 @@ def run(url: str, sizes: Sizes) -> list[Row]:
             p99 / light.pct(0.99),
             note="  " + _note(light),
             extra=light.summary(),
+        ),
+        Row(
+            "kv_lag_p99_64_replicas",
+            "    the same events from 64 replicas (8x the batches)",
+            many.pct(0.99),
+            "s",
+            "8 replicas",
+            p99,
+            many.pct(0.99) / p99,
+            note="  " + _note(many),
+            extra=many.summary(),
         ),
         Row(
             "kv_redis_cpu_per_event",

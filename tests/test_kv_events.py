@@ -356,6 +356,38 @@ def test_a_resent_or_older_batch_changes_nothing(server, r):
     assert index.apply("x", 0, 1, 0, 1.0, first).outcome == "removed"
 
 
+def test_pipelined_batches_have_the_outcomes_of_applying_them_one_by_one(server, r):
+    """What the subscriber sends in one round trip: each batch's outcome, and the index
+    after, are those of apply() in turn, even when the server has to load the script first."""
+    rng = random.Random(14)
+    meta = {"kv_events": "tcp://127.0.0.1:1"}
+    a, b, c = prompt(rng, 2), prompt(rng, 1), prompt(rng, 1)
+    batches: list[Any] = [
+        ("r0", 0, 1, 0, 1.0, [BlockStored([1, 2], None, a, BS)]),
+        ("r1", 0, 1, 0, 1.0, [BlockStored([1], None, c, BS)]),
+        ("r0", 0, 1, 1, 1.1, [BlockStored([3], 2, b, BS), BlockRemoved([1])]),
+        ("r0", 0, 1, 1, 1.1, [BlockStored([3], 2, b, BS), BlockRemoved([1])]),  # resent
+        ("r1", 0, 1, 2, 1.2, [BlockRemoved([1])]),  # a gap: nothing written
+        ("r1", 0, 1, 3, 1.3, []),
+        ("x", 0, 1, 0, 1.0, []),  # not in the pool
+    ]
+    one_by_one = []
+    for name in ("kv-seq", "kv-pipe"):
+        RedisLoadBalancer({"r0": meta, "r1": meta}, redis=server.url, name=name).close()
+    seq_index, pipe_index = KVIndex(r, "kv-seq"), KVIndex(r, "kv-pipe")
+    for batch in batches:
+        one_by_one.append(seq_index.apply(*batch))
+    r.script_flush()
+    assert pipe_index.apply_many(batches) == one_by_one
+    assert [x.outcome for x in one_by_one] == ["ok", "ok", "ok", "dup", "need", "need", "removed"]
+    assert one_by_one[4].need == one_by_one[5].need == 1
+    assert (
+        holders(r, "kv-pipe")
+        == holders(r, "kv-seq")
+        == expect({"r1": [c]}) | {h: {"r0"} for h in block_hashes(a + b, BS)[1:]}
+    )
+
+
 def test_the_lua_helper_finds_the_deepest_block_an_exact_replica_holds(server, r, tmp_path):
     for sid in ("r0", "r1"):
         RedisLoadBalancer(

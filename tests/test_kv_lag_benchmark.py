@@ -24,7 +24,12 @@ from redis_router.kv_events.wire import decode_batch
 from redis_router.local_server import first_server_binary
 
 ROOT = Path(__file__).resolve().parent.parent
-ROWS = ("kv_lag_p99", "kv_lag_p99_2_subscribers", "kv_lag_p99_vs_light_load")
+ROWS = (
+    "kv_lag_p99",
+    "kv_lag_p99_2_subscribers",
+    "kv_lag_p99_vs_light_load",
+    "kv_lag_p99_64_replicas",
+)
 
 
 def test_simulated_engine_emits_events_an_index_accepts() -> None:
