@@ -196,7 +196,7 @@ class KVIndex:
         for _ in range(2):
             pipe = self.client.pipeline(transaction=False)
             for args in argss:
-                pipe.evalsha(script.sha, 1, self.prefix, *args)
+                pipe.execute_command("EVALSHA", script.sha, 1, self.prefix, *args)
             replies = pipe.execute(raise_on_error=False)
             if not any(isinstance(r, rx.NoScriptError) for r in replies):
                 break
