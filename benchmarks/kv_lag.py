@@ -8,7 +8,8 @@ process(es), as ``redis-router kv-events`` does. A reader thread here polls the 
 applied sequence numbers (``HGETALL kv:stream``, one field per stream) about every
 millisecond; a batch's lag is the end of the first poll that shows its stream at or past its
 number, minus the wall-clock time the publisher stamped on it just before sending (one machine,
-one clock). Each event counts with its batch's lag.
+one clock). Each event counts with its batch's lag. Context rows: 2 subscribers, 1,000 events/s,
+and the same 10,000 events/s from 64 replicas (8x the batches, each smaller).
 
 Measurement error: the reader sees a batch at most one poll period plus one round trip after
 it became visible, and never before, so every lag is overstated by 0 to that much (reported as
