@@ -1,4 +1,4 @@
-"""``python -m benchmarks [--quick] [--json FILE] [--server-bin PATH] [--no-ray]``
+"""``python -m benchmarks [--quick] [--json FILE] [--server-bin PATH] [--no-ray] [--only STEPS]``
 
 Starts a private server (never the one on 6379), runs every comparison side by
 side in this process, prints the table and optionally writes it as JSON.
@@ -26,10 +26,10 @@ from redis_router.local_server import (
     first_server_binary,
 )
 
-from . import batch, latency, memory, reaping, throughput
+from . import batch, kv_lag, latency, memory, reaping, throughput
 from .harness import Row, Sizes, table
 
-STEPS = ("latency", "batch", "memory", "throughput", "reaping")
+STEPS = ("latency", "batch", "memory", "throughput", "reaping", "kv_lag")
 ROW_IDS = (
     "pair_vs_noop",
     "pair_4096_vs_8",
@@ -48,6 +48,11 @@ ROW_IDS = (
     "throughput_noop_round_trips",
     "watch_retry_rate",
     "reap_slowest_acquire",
+    "kv_lag_p99",
+    "kv_lag_p99_2_subscribers",
+    "kv_lag_p99_vs_light_load",
+    "kv_lag_p99_64_replicas",
+    "kv_redis_cpu_per_event",
 )
 
 
@@ -107,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("memory", lambda: memory.run(client, sizes)),
                 ("throughput", lambda: throughput.run(server.url, sizes, with_ray=with_ray)),
                 ("reaping", lambda: reaping.run(client, sizes)),
+                ("kv_lag", lambda: kv_lag.run(server.url, sizes)),
             ):
                 if step not in only:
                     continue

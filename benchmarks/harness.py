@@ -21,14 +21,16 @@ class Sizes:
     sessions: int  # sticky sessions for the memory comparison
     seconds: float  # duration of one throughput run
     throughput_runs: int
+    kv_seconds: float  # measured window of one KV-events lag run
+    kv_warmup: float  # publishing before that window
 
     @classmethod
     def default(cls) -> Sizes:
-        return cls(15, 400, 1000, 7, 1_000_000, 3.0, 3)
+        return cls(15, 400, 1000, 7, 1_000_000, 3.0, 3, 10.0, 2.0)
 
     @classmethod
     def quick(cls) -> Sizes:
-        return cls(3, 40, 100, 2, 20_000, 0.6, 1)
+        return cls(3, 40, 100, 2, 20_000, 0.6, 1, 1.0, 0.5)
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The exact KV-block index fed by the replicas' KV-cache events, on the wire format vLLM and
-SGLang publish (a tiny publisher of our own: tests/kv_publisher.py), on every server binary."""
+SGLang publish (a small publisher of our own:
+redis_router/kv_events/publisher.py), on every server binary."""
 
 from __future__ import annotations
 
@@ -24,9 +25,8 @@ from redis_router.kv_events import (
     replica_ports,
     streams_of,
 )
+from redis_router.kv_events.publisher import Publisher, cleared, removed, stored
 from redis_router.scripts import load_file
-
-from .kv_publisher import Publisher, cleared, removed, stored
 
 BS = 4  # tokens per engine block
 
@@ -221,6 +221,50 @@ def test_a_gap_the_replay_cannot_fill_degrades_the_replica_until_its_cache_is_cl
     settle([sub], lambda: index_states(r, "kv", {"r0": meta})["r0"]["state"] == "exact")
 
 
+def test_a_stored_event_whose_tokens_do_not_fill_its_blocks_is_skipped(server, r, pubs, subs):
+    """Skipped as a block the router cannot look up is: one odd engine does not stop the
+    subscriber (and with it the index of every replica)."""
+    rng = random.Random(12)
+    pub = pubs()
+    meta = pub.meta()
+    RedisLoadBalancer({"r0": meta}, redis=server.url, name="kv").close()
+    sub = subs("kv")
+    good, short, later = prompt(rng, 2), prompt(rng, 2), prompt(rng, 1)
+    wide = [1 << 32, *prompt(rng, 1)[1:]]  # a token id that does not fit uint32
+    pub.publish(
+        [
+            stored([1, 2], None, short[:-1], BS, arrays=True),
+            stored([3], None, wide, BS, arrays=False),
+            stored([4, 5], None, good, BS, arrays=True),
+            stored([6], 1, prompt(rng, 1), BS, arrays=True),  # its parent was skipped
+        ]
+    )
+    pub.publish([stored([7], None, later, BS, arrays=False)])
+    settle([sub], lambda: holders(r, "kv") == expect({"r0": [good, later]}))
+    assert index_states(r, "kv", {"r0": meta})["r0"]["state"] == "exact"
+
+
+def test_an_undecodable_batch_in_the_replay_is_a_gap_not_a_crash(server, r, pubs, subs):
+    rng = random.Random(13)
+    pub = pubs()
+    meta = pub.meta()
+    RedisLoadBalancer({"r0": meta}, redis=server.url, name="kv").close()
+    sub = subs("kv")
+    first, after = prompt(rng, 1), prompt(rng, 1)
+    store_prompt(pub, first, 0, arrays=True)
+    settle([sub], lambda: holders(r, "kv") == expect({"r0": [first]}))
+    with pub.lock:  # a batch the subscriber missed, and that no msgpack decoder reads
+        pub.buffer.append((pub.seq, b"\xc1"))
+        pub.seq += 1
+    pub.publish([stored([20], None, after, BS, arrays=True)])
+    settle(
+        [sub], lambda: index_states(r, "kv", {"r0": meta})["r0"]["reason"] == "gap not replayable"
+    )
+    settle([sub], lambda: holders(r, "kv") == expect({"r0": [after]}))
+    pub.publish([cleared(arrays=True)])
+    settle([sub], lambda: index_states(r, "kv", {"r0": meta})["r0"]["state"] == "exact")
+
+
 def test_a_replica_restart_replaces_its_entries(server, r, pubs, subs):
     rng = random.Random(8)
     pub = pubs()
@@ -310,6 +354,38 @@ def test_a_resent_or_older_batch_changes_nothing(server, r):
         r.hgetall("rr:{kv}:kv:idx") == snapshot == {block_hashes(toks, BS)[0]: "r0\x1f0\x1f1\x1f"}
     )
     assert index.apply("x", 0, 1, 0, 1.0, first).outcome == "removed"
+
+
+def test_pipelined_batches_have_the_outcomes_of_applying_them_one_by_one(server, r):
+    """What the subscriber sends in one round trip: each batch's outcome, and the index
+    after, are those of apply() in turn, even when the server has to load the script first."""
+    rng = random.Random(14)
+    meta = {"kv_events": "tcp://127.0.0.1:1"}
+    a, b, c = prompt(rng, 2), prompt(rng, 1), prompt(rng, 1)
+    batches: list[Any] = [
+        ("r0", 0, 1, 0, 1.0, [BlockStored([1, 2], None, a, BS)]),
+        ("r1", 0, 1, 0, 1.0, [BlockStored([1], None, c, BS)]),
+        ("r0", 0, 1, 1, 1.1, [BlockStored([3], 2, b, BS), BlockRemoved([1])]),
+        ("r0", 0, 1, 1, 1.1, [BlockStored([3], 2, b, BS), BlockRemoved([1])]),  # resent
+        ("r1", 0, 1, 2, 1.2, [BlockRemoved([1])]),  # a gap: nothing written
+        ("r1", 0, 1, 3, 1.3, []),
+        ("x", 0, 1, 0, 1.0, []),  # not in the pool
+    ]
+    one_by_one = []
+    for name in ("kv-seq", "kv-pipe"):
+        RedisLoadBalancer({"r0": meta, "r1": meta}, redis=server.url, name=name).close()
+    seq_index, pipe_index = KVIndex(r, "kv-seq"), KVIndex(r, "kv-pipe")
+    for batch in batches:
+        one_by_one.append(seq_index.apply(*batch))
+    r.script_flush()
+    assert pipe_index.apply_many(batches) == one_by_one
+    assert [x.outcome for x in one_by_one] == ["ok", "ok", "ok", "dup", "need", "need", "removed"]
+    assert one_by_one[4].need == one_by_one[5].need == 1
+    assert (
+        holders(r, "kv-pipe")
+        == holders(r, "kv-seq")
+        == expect({"r1": [c]}) | {h: {"r0"} for h in block_hashes(a + b, BS)[1:]}
+    )
 
 
 def test_the_lua_helper_finds_the_deepest_block_an_exact_replica_holds(server, r, tmp_path):

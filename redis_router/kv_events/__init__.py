@@ -6,6 +6,7 @@ Pieces: :class:`KVEventSubscriber` (``redis-router kv-events``) follows every re
 metadata names a publisher (:mod:`.endpoints`), decodes its batches (:mod:`.wire`) and applies
 each, once, with one script call (:class:`KVIndex`); routing reads the index inside its own
 script with ``plugins/kv_index_lib.lua`` after hashing the prompt with :func:`block_hashes`.
+:mod:`.publisher` publishes in the engines' wire format, to test or benchmark without one.
 
 Keys (``P = "rr:{NAME}:"``; a stream is one dp rank of one replica, ``RANK:ID``):
 

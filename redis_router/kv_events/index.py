@@ -51,6 +51,8 @@ class AllBlocksCleared:
 
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared
+# One batch of a stream: server id, dp rank, the replica's dp ranks, sequence number, time, events.
+Batch = tuple[str, int, int, int, float, Sequence[Event]]
 
 
 class Applied(NamedTuple):
@@ -109,6 +111,15 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _applied(raw: Any) -> Applied:
+    reply = [_text(v) for v in raw]
+    if reply[0] == "ok":
+        return Applied("ok", int(reply[1]), int(reply[2]), int(reply[3]))
+    if reply[0] == "need":
+        return Applied("need", need=int(reply[1]))
+    return Applied(reply[0])
+
+
 class KVIndex:
     """The exact index of balancer ``name`` on a redis-py client (sync)."""
 
@@ -136,6 +147,29 @@ class KVIndex:
             self.client.script_load(script.source)
             return self.client.evalsha(script.sha, 1, self.prefix, *args)
 
+    def _apply_args(
+        self,
+        server_id: str,
+        rank: int,
+        ranks: int,
+        seq: int,
+        ts: float,
+        events: Iterable[Event],
+        gap_ok: bool,
+    ) -> list[Any]:
+        return [
+            server_id,
+            rank,
+            ranks,
+            seq,
+            repr(float(ts)),
+            int(gap_ok),
+            self.stale_ms,
+            self.max_blocks,
+            DROP_BUDGET,
+            *encode_events(events),
+        ]
+
     def apply(
         self,
         server_id: str,
@@ -148,24 +182,30 @@ class KVIndex:
         gap_ok: bool = False,
     ) -> Applied:
         """Apply one batch of stream (server_id, rank); see kv_index_apply.lua."""
-        args = [
-            server_id,
-            rank,
-            ranks,
-            seq,
-            repr(float(ts)),
-            int(gap_ok),
-            self.stale_ms,
-            self.max_blocks,
-            DROP_BUDGET,
-            *encode_events(events),
-        ]
-        reply = [_text(v) for v in self._call("kv_index_apply", args)]
-        if reply[0] == "ok":
-            return Applied("ok", int(reply[1]), int(reply[2]), int(reply[3]))
-        if reply[0] == "need":
-            return Applied("need", need=int(reply[1]))
-        return Applied(reply[0])
+        args = self._apply_args(server_id, rank, ranks, seq, ts, events, gap_ok)
+        return _applied(self._call("kv_index_apply", args))
+
+    def apply_many(self, batches: Sequence[Batch]) -> list[Applied]:
+        """Apply batches (of any streams, each stream's in order) in one round trip: a pipeline
+        of one script call per batch, not a transaction, so the outcomes are those of apply()
+        called on each in turn. Nothing is sent if an event is malformed (ValueError)."""
+        if not batches:
+            return []
+        argss = [self._apply_args(*b, gap_ok=False) for b in batches]
+        script = _script("kv_index_apply")
+        for _ in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            for args in argss:
+                pipe.execute_command("EVALSHA", script.sha, 1, self.prefix, *args)
+            replies = pipe.execute(raise_on_error=False)
+            if not any(isinstance(r, rx.NoScriptError) for r in replies):
+                break
+            # Resending them all is safe: a batch that did apply the first time answers "dup".
+            self.client.script_load(script.source)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return [_applied(r) for r in replies]
 
     def restarted(self, server_id: str, rank: int, ranks: int, seq: int, ts: str) -> Applied:
         """The publisher restarted and published nothing since: reset the stream, unless its

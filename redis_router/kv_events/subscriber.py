@@ -1,7 +1,9 @@
 """Follow every replica of a balancer and keep the exact index in Redis (needs pyzmq, msgspec).
 
 One SUB socket per publisher (a replica's dp rank), all served by one thread. Each batch goes
-to ``kv_index_apply.lua`` with its sequence number; when the index answers that it wants an
+to ``kv_index_apply.lua`` with its sequence number, the batches every stream has ready sent
+together in one pipeline (one round trip, however many replicas: the lag would otherwise grow
+with replicas times the round trip); when the index answers that it wants an
 earlier batch (a gap, a first connect, a restart), the subscriber asks the publisher's replay
 socket (a DEALER to vLLM's ROUTER: ``["", seq]``, answered with ``["", topic, seq, payload]``
 per buffered batch, then ``["", "", -1, ""]``; SGLang's replies lack the topic) and, if the
@@ -35,6 +37,7 @@ __all__ = ["KVEventSubscriber"]
 log = logging.getLogger("redis_router.kv_events")
 
 MAX_HELD = 100_000  # batches held per stream while Redis is unreachable or a gap is filled
+PIPELINE = 256  # batches applied per round trip at most
 END_SEQ = -1
 
 
@@ -162,10 +165,16 @@ class KVEventSubscriber:
                 frames = sock.recv_multipart()
                 if frames and frames[0] == b"":
                     frames = frames[1:]
-                seq = decode_seq(frames[-2])
-                if seq == END_SEQ:
-                    return True, got
-                ts, events, _ = decode_batch(frames[-1])
+                try:
+                    seq = decode_seq(frames[-2])
+                    if seq == END_SEQ:
+                        return True, got
+                    ts, events, _ = decode_batch(frames[-1])
+                except ValueError as exc:  # left out: the index sees a gap it cannot fill
+                    log.warning(
+                        "%s rank %d: undecodable replay: %s", s.ep.server_id, s.ep.rank, exc
+                    )
+                    continue
                 got[seq] = (ts, events)
         finally:
             sock.close(linger=0)
@@ -223,8 +232,8 @@ class KVEventSubscriber:
             done += 1
         return done
 
-    def _receive(self, s: _Stream) -> int:
-        """Take every message waiting on the live socket, then apply them."""
+    def _receive(self, s: _Stream) -> None:
+        """Take every message waiting on the live socket (applied by _apply_held)."""
         while True:
             try:
                 frames = s.sub.recv_multipart(zmq.NOBLOCK)
@@ -244,7 +253,36 @@ class KVEventSubscriber:
             if len(s.held) >= MAX_HELD:
                 s.held.pop(min(s.held))
             s.held[seq] = (ts, events)
-        return self._pump(s) if s.held else 0
+
+    def _apply_held(self, streams: list[_Stream]) -> int:
+        """Apply the streams' held batches, each stream's in order, up to PIPELINE per round
+        trip, however many streams have some. A stream whose next batch the index wants an
+        earlier one for (a gap, a restart) is left to _pump, which asks its replay. Returns how
+        many batches went."""
+        done = 0
+        todo = [s for s in streams if s.held]
+        while todo:
+            calls: list[tuple[_Stream, int]] = []
+            for s in todo:
+                calls += [(s, seq) for seq in sorted(s.held)[: PIPELINE - len(calls)]]
+            results = self.index.apply_many(
+                [(s.ep.server_id, s.ep.rank, s.ep.ranks, seq, *s.held[seq]) for s, seq in calls]
+            )
+            stuck: set[int] = set()
+            for (s, seq), res in zip(calls, results, strict=True):
+                if id(s) in stuck:
+                    continue
+                if res.outcome == "need":
+                    stuck.add(id(s))
+                    continue
+                del s.held[seq]
+                s.empty = False
+                done += 1
+            for s in todo:
+                if id(s) in stuck:
+                    done += self._pump(s)
+            todo = [s for s in todo if s.held]
+        return done
 
     def _monitor(self, s: _Stream) -> None:
         while s.monitor.poll(0):
@@ -286,8 +324,9 @@ class KVEventSubscriber:
                 self._monitor(s)
             if s.needs_sync and s.link == "1":
                 self._sync(s)
-            if s.sub in ready or s.held:
-                done += self._receive(s)
+            if s.sub in ready:
+                self._receive(s)
+        done += self._apply_held(list(self._streams.values()))
         if time.monotonic() >= self._next_beat:
             self._beat()
             self._next_beat = time.monotonic() + self.heartbeat_every

@@ -8,8 +8,10 @@ Fields that newer engines append are ignored, absent optional ones take their de
 
 Only blocks the router can look up are kept: on the GPU (``medium`` None or GPU), in the first
 KV-cache group, and hashed from token ids alone (no LoRA, no multimodal or salt ``extra_keys``).
-A skipped ``BlockStored`` leaves its engine hashes unmapped, so its descendants are skipped too
-and its removal is a no-op.
+A ``BlockStored`` whose token ids do not fill its blocks (or do not fit uint32) is skipped too:
+one odd engine must not stop the subscriber, and with it the index of every replica. A skipped
+``BlockStored`` leaves its engine hashes unmapped, so its descendants are skipped too and its
+removal is a no-op.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from .hashing import TOKEN_LIMIT
 from .index import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 __all__ = ["Batch", "decode_batch", "decode_seq"]
@@ -85,6 +88,16 @@ def _on_gpu(medium: str | None, group_idx: int | None) -> bool:
     return (medium is None or medium.upper() == "GPU") and not group_idx
 
 
+def _hashable(ev: _StoredA | _StoredM) -> bool:
+    """Its token ids fill its blocks exactly and fit uint32: what the index can hash."""
+    toks = ev.token_ids
+    return (
+        ev.block_size >= 1
+        and len(toks) == len(ev.block_hashes) * ev.block_size
+        and (not toks or (min(toks) >= 0 and max(toks) < TOKEN_LIMIT))
+    )
+
+
 def _event(raw: msgspec.Raw) -> Event | None:
     """One event in the index's terms, None for an unknown tag or a block the router cannot
     look up (see the module docstring)."""
@@ -98,7 +111,7 @@ def _event(raw: msgspec.Raw) -> Event | None:
         raise
     if isinstance(ev, (_StoredA, _StoredM)):
         plain = ev.lora_id is None and not ev.lora_name and not any(ev.extra_keys or ())
-        if not (plain and _on_gpu(ev.medium, ev.group_idx)):
+        if not (plain and _on_gpu(ev.medium, ev.group_idx) and _hashable(ev)):
             return None
         return BlockStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size)
     if isinstance(ev, (_RemovedA, _RemovedM)):

@@ -1,7 +1,8 @@
-"""A tiny KV-events publisher in the wire format vLLM and SGLang use (msgspec + pyzmq), so the
-subscriber is tested without an engine: PUB (topic, 8-byte big-endian sequence number, msgpack
-batch) and a ROUTER replay socket answering ``["", seq]`` with every buffered batch from seq,
-then the end marker."""
+"""A small KV-events publisher in the wire format vLLM and SGLang use (needs msgspec, pyzmq), so
+the subscriber can be tested and benchmarked without an engine: PUB (topic, 8-byte big-endian
+sequence number, msgpack batch) and a ROUTER replay socket answering ``["", seq]`` with every
+buffered batch from seq, then the end marker. Used by tests/test_kv_events.py and
+benchmarks/kv_lag.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import threading
 import time
 from collections import deque
 from typing import Any
+
+__all__ = ["Publisher", "cleared", "removed", "stored"]
 
 import msgspec
 import zmq
@@ -36,12 +39,14 @@ def stored(
 
 
 def removed(hashes: list[int], *, arrays: bool) -> Any:
+    """A BlockRemoved event, array-like or a tagged map."""
     if arrays:
         return ["BlockRemoved", hashes, "GPU"]
     return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU"}
 
 
 def cleared(*, arrays: bool) -> Any:
+    """An AllBlocksCleared event, array-like or a tagged map."""
     return ["AllBlocksCleared"] if arrays else {"type": "AllBlocksCleared"}
 
 
@@ -91,8 +96,12 @@ class Publisher:
     def meta(self) -> dict[str, Any]:
         return {"kv_events": self.endpoint, "kv_events_replay": self.replay_endpoint}
 
-    def publish(self, events: list[Any], *, skip_live: bool = False) -> int:
-        self.clock += 0.001
+    def publish(
+        self, events: list[Any], *, skip_live: bool = False, ts: float | None = None
+    ) -> int:
+        """Publish one batch; returns its sequence number. Its time is ``ts`` (e.g. the wall
+        clock when it is sent, as an engine stamps it) or else 1 ms after the last batch's."""
+        self.clock = self.clock + 0.001 if ts is None else ts
         payload = msgspec.msgpack.encode([self.clock, events, 0])
         with self.lock:
             seq = self.seq
