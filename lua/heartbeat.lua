@@ -12,7 +12,7 @@
 -- Keeps    I1, I2: one call keeps every lease of the holder alive however long its requests
 --          run; a lease its holder forgot still ends after max lease age; the leases of
 --          holders that stopped sending heartbeats are reclaimed, at most `budget` per call.
--- Uses     lib/base, lib/leases
+-- Uses     lib/base, lib/holders, lib/leases
 local holder, now = ARGV[1], now_ms()
 local budget = tonumber(ARGV[6])
 local known = redis.call('ZSCORE', P .. 'holders', holder)

@@ -1,11 +1,11 @@
 """The Lua scripts, shipped as package data in ``redis_router/lua``.
 
 Each script names on its ``-- Uses`` header line the shared parts it needs (``lib/base``,
-``lib/leases``, ``lib/picking``, ``lib/acquiring``; a plugin's own parts by file name beside
-it); the loader prepends exactly those, in that order, so there is one copy of the lease and
-sticky logic and a script pays only for what it uses. Scripts run by EVALSHA; only when a
-server answers NOSCRIPT (first use, restart, failover) is the source sent with SCRIPT LOAD,
-so no call pays for an existence check.
+``lib/holders``, ``lib/leases``, ``lib/picking``, ``lib/acquiring``; a plugin's own parts by
+file name beside it); the loader prepends exactly those, in that order, so there is one copy
+of the lease and sticky logic and a script pays only for what it uses. Scripts run by
+EVALSHA; only when a server answers NOSCRIPT (first use, restart, failover) is the source
+sent with SCRIPT LOAD, so no call pays for an existence check.
 """
 
 from __future__ import annotations

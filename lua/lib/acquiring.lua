@@ -1,5 +1,5 @@
 -- lib/acquiring.lua: the acquire procedure every policy shares: retries, sticky sessions,
--- leases, counts (uses base, leases, picking).
+-- leases, counts (uses base, holders, picking).
 -- A new lease's record; a policy that weighs requests adds the weight to it and to the
 -- replica's weighted load at once (a batch's later choices see it), and end_lease takes it off.
 local function lease_record(policy, i, id, field, holder)

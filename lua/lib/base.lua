@@ -78,3 +78,8 @@ local function flat_call(cmd, key, flat)
     redis.call(cmd, key, unpack(flat, lo, math.min(lo + CHUNK - 1, #flat)))
   end
 end
+
+-- The replica of a lease record (id..SEP..request id..SEP..holder...).
+local function server_of(rec)
+  return string.sub(rec, 1, string.find(rec, SEP, 1, true) - 1)
+end

@@ -1,0 +1,29 @@
+-- lib/holders.lua: a holder's liveness and the settings it must share (uses base). Apart
+-- from lib/leases so that an acquire, which keeps its holder alive but ends no lease, does
+-- not define (on every call) the functions that end and reap leases.
+
+-- Mark a holder alive until now + ttl (never moving its deadline back). The first time it is
+-- seen (or again after it was declared dead, or the keys were lost) its process's settings
+-- (`...`, in PINNED's order) are checked against the pinned ones, and a setting not pinned yet
+-- is pinned: every process that acquires checks them, not only at start-up. Returns an error
+-- reply "CONFIGMISMATCH <field> <pinned value>" on a mismatch, with nothing pinned.
+local function heartbeat(holder, now, ttl, ...)
+  if redis.call('ZADD', P .. 'holders', 'GT', int(now + ttl), holder) == 0 then return nil end
+  -- The settings every process of a balancer must share, as fields of P.."config" ("" = off)
+  -- (a table made only here: most calls of the scripts that load this part never get here).
+  local PINNED = { 'sticky_ttl_ms', 'affinity_margin', 'affinity_ratio', 'group_cap', 'group_by' }
+  local mine = { ... }
+  local pinned = redis.call('HMGET', P .. 'config', unpack(PINNED))
+  local fresh = {}
+  for k, field in ipairs(PINNED) do
+    local v = pinned[k]
+    if not v then
+      fresh[#fresh + 1], fresh[#fresh + 2] = field, mine[k]
+    elseif v ~= mine[k] then
+      redis.call('ZREM', P .. 'holders', holder)
+      return redis.error_reply('CONFIGMISMATCH ' .. field .. ' ' .. v)
+    end
+  end
+  if #fresh > 0 then redis.call('HSET', P .. 'config', unpack(fresh)) end
+  return nil
+end
