@@ -1,7 +1,7 @@
 -- release.lua: end one or more leases, in order.
 -- KEYS[1]  key prefix "rr:{NAME}:"
 -- ARGV     quads: server id, request id or '', token or '', operation id (client-made,
---          unique per call, the same in a resent copy)
+--          unique per call, the same in a resent copy; "!" first: the request failed)
 --          With a token, that lease ends (the token decides the replica). With a request id,
 --          the oldest lease of that request on that replica ends; with neither, the oldest
 --          lease on that replica.
@@ -9,10 +9,12 @@
 --          release by request id or replica), 1 if an earlier copy of this call ended it (a
 --          resend after a timeout), 0 if there was none (released twice, reclaimed, unknown or
 --          removed replica: a harmless no-op, I6).
--- Keeps    I1 (count -1 with its lease, never below 0), I2, I6. Safe to resend: the
+-- Keeps    I1 (count -1 with its lease, never below 0), I2, I6, I10, I11. Safe to resend: the
 --          operation id is remembered in P.."ended" (trimmed by heartbeat.lua), so a second
 --          copy reports the first one's result and never ends another lease.
--- Uses     lib/base, lib/leases
+-- Health   a failed request counts toward ejecting its replica (lib/health.lua), once per
+--          lease; any other release ends the replica's failure streak.
+-- Uses     lib/base, lib/leases, lib/health
 local now
 local function release(id, req, token, op)
   local rec, toks
@@ -31,9 +33,10 @@ local function release(id, req, token, op)
     end
     if not token then return 0 end
   end
-  end_lease(token, rec, toks)
+  local sid = end_lease(token, rec, toks)
   now = now or now_ms()
   redis.call('ZADD', P .. 'ended', now, op)
+  if string.byte(op) == 33 then failed(sid, 'failed requests', now) else succeeded(sid) end
   return token
 end
 

@@ -14,6 +14,13 @@ class NoServersAvailable(RedisRouterError, RuntimeError):
     """
 
 
+class NoCapacity(NoServersAvailable):
+    """Every replica that could take the request is full (its declared capacity reached) or
+    ejected, or earlier requests are waiting for a place and go first; raised at once, or
+    when an acquire's wait ran out. A NoServersAvailable, so callers that handle an empty
+    pool handle this too."""
+
+
 class RedisUnavailable(RedisRouterError, ConnectionError):
     """Redis could not be reached or answered too late. The message names the URL, never its
     password. Calls fail fast with this during an outage and work again once Redis is back."""

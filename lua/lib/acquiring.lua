@@ -93,6 +93,82 @@ local function groups(cur, span, width, ttl)
   return GROUPS
 end
 
+-- Admission (capacity, ejection, waiting; lib/leases.lua). An acquire that finds no replica
+-- for a request is refused with NOCAPACITY while some replica is full or ejected or a request
+-- waits (the caller may wait for one), else NOSERVERS; nothing of the requests is written.
+local function refused()
+  if redis.call('EXISTS', OFF, P .. 'waiters') > 0 then
+    return redis.error_reply('NOCAPACITY every replica that could take the request is full or '
+      .. 'ejected, or earlier requests are waiting for one')
+  end
+  return redis.error_reply('NOSERVERS no replica is accepting new sessions')
+end
+
+-- Free places in `load` (math.huge when a replica there has no capacity).
+local function room()
+  local flat = redis.call('ZRANGE', LOAD, '0', '-1', 'WITHSCORES')
+  local n = #flat / 2
+  local ids = {}
+  for j = 1, n do ids[j] = flat[2 * j - 1] end
+  local caps = hmget(P .. 'capacity', ids, n)
+  local free = 0
+  for j = 1, n do
+    if not caps[j] then return math.huge end
+    free = free + tonumber(caps[j]) - tonumber(flat[2 * j])
+  end
+  return free
+end
+
+-- The waiting ticket this call serves (ARGV[12]), while someone waits.
+local TICKET = nil
+
+-- Run before anything of the requests is written; one EXISTS while no replica declares a
+-- capacity and nobody waits. An acquire never overtakes an earlier waiter (FIFO across
+-- processes): while one waits, only the first waiter's call, or a resent one whose leases
+-- were all granted, passes. A batch is granted whole or refused: with capacities, it passes
+-- only if the free places in `load` cover its requests not granted yet (conservative: a
+-- sticky one may not need one). Returns the refusal, or nil.
+local function admission(now, stride)
+  if redis.call('EXISTS', P .. 'capacity', P .. 'waiters') == 0 then return nil end
+  CAPS = redis.call('EXISTS', P .. 'capacity') == 1
+  if ARGV[12] ~= '' then TICKET = ARGV[12] end
+  local toks, n = {}, 0
+  for i = HEAD + 2, #ARGV, stride do
+    n = n + 1
+    toks[n] = ARGV[i]
+  end
+  local recs, fresh = hmget(P .. 'leases', toks, n), 0
+  for j = 1, n do
+    if not recs[j] then fresh = fresh + 1 end
+  end
+  if fresh == 0 then return nil end
+  local head = first_waiter(now)
+  if head and head ~= TICKET then return refused() end
+  if CAPS and n > 1 and room() < fresh then return refused() end
+  return nil
+end
+
+-- The reply of a successful call that served the first waiter: it leaves the queue (its wait
+-- counted in P.."waitstats") and the next one is woken if a replica takes new sessions.
+local function served(out, now)
+  if TICKET and not out.err then
+    local w = redis.call('HGET', P .. 'waiting', TICKET)
+    if w then
+      local waited = now - tonumber(string.match(w, '(%d+)$'))
+      redis.call('ZREM', P .. 'waiters', TICKET)
+      redis.call('HDEL', P .. 'waiting', TICKET)
+      redis.call('DEL', P .. 'wake:' .. TICKET)
+      redis.call('HINCRBY', P .. 'waitstats', 'served', '1')
+      redis.call('HINCRBY', P .. 'waitstats', 'waited_ms', int(waited))
+      if waited > tonumber(redis.call('HGET', P .. 'waitstats', 'max_ms') or 0) then
+        redis.call('HSET', P .. 'waitstats', 'max_ms', int(waited))
+      end
+      wake_first()
+    end
+  end
+  return out
+end
+
 -- One request (the common case): the straight sequential procedure, without the batch's
 -- tables. Its arguments start at ARGV[i]; the caller has reaped and knows `now` and `cur`.
 local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
@@ -117,9 +193,7 @@ local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
   if moved then stay = nil end
   if not (stay and redis.call('ZADD', LOAD, 'XX', 'INCR', '1', old)) then
     if not (stay and redis.call('ZADD', P .. 'draining', 'XX', 'INCR', '1', old)) then
-      if not LL.min and not load_peek() then
-        return redis.error_reply('NOSERVERS no replica is accepting new sessions')
-      end
+      if not LL.min and not load_peek() then return refused() end
       local g = not moved and ARGV[i + 3]
       if g == '' then g = nil end
       local grp = g and groups(cur, span, width, ttl)
@@ -132,6 +206,7 @@ local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
       end
     end
   end
+  if CAPS then filled(id) end
   local at = int(now)
   redis.call('ZADD', P .. 'held:' .. id, at, token)
   redis.call('ZADD', P .. 'owned:' .. holder, at, token)
@@ -166,7 +241,8 @@ end
 -- ARGV[2] sticky bucket width (ms), ARGV[3] sticky ttl (ms), ARGV[4] buckets to search back,
 -- ARGV[5] router flag (core: 1 = full_determinism), ARGV[6] holder, ARGV[7] affinity margin,
 -- ARGV[8] affinity ratio ("" = off: a sticky session stays however loaded its replica is),
--- ARGV[9] group cap ("" = none), ARGV[10] group_by (only checked against the pinned one);
+-- ARGV[9] group cap ("" = none), ARGV[10] group_by (only checked against the pinned one),
+-- ARGV[11] ejection settings (pinned; lib/health.lua), ARGV[12] waiting ticket ("" = none);
 -- then `stride` arguments per request starting at ARGV[HEAD + 1]: request id, lease token,
 -- random integer, group id ("" = none), then the router's own from ARGV[i + OWN].
 -- `policy` is the routing policy's Lua side, a table of functions of the ARGV index i where a
@@ -176,8 +252,11 @@ end
 -- count is already +1; the lease records themselves are written when the whole batch is
 -- routed).
 -- Returns a flat array: per request, server id, JSON metadata, and 0 = balanced, 1 = sticky,
--- 2 = retry of a granted token; or the error NOSERVERS (CONFIGMISMATCH: this process's
--- sticky ttl is not the pinned one) before anything is written.
+-- 2 = retry of a granted token; or the error NOSERVERS or NOCAPACITY (refused(); CONFIGMISMATCH:
+-- this process's pinned settings are not the pinned ones) before anything is written.
+-- Capacity: an acquire that fills a replica takes it off (filled), so no later pick, sticky
+-- or new, reaches it until a lease there ends; a batch's cached level (LL) and pool lookups
+-- forget it at once.
 -- The result and the final state are those of acquiring the requests one after another; the
 -- lookups are read up front (one HMGET per key) and the writes that commute are grouped per
 -- replica at the end, so a batch of K costs a few calls per request, not ~20.
@@ -188,11 +267,15 @@ local function acquire_all(stride, policy)
   local cur = math.floor(now / width)
   -- An acquire is a heartbeat of its holder, and reaps nothing: the holders' keepers do,
   -- in short calls of their own, so no acquire is slowed by another process's crash.
-  local refused = heartbeat(holder, now, lease_ms, ARGV[3], ARGV[7], ARGV[8], ARGV[9], ARGV[10])
-  if refused then return refused end
+  local mismatch = heartbeat(holder, now, lease_ms, ARGV[3], ARGV[7], ARGV[8], ARGV[9],
+    ARGV[10], ARGV[11])
+  if mismatch then return mismatch end
   MARGIN, RATIO, CAP = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+  if ARGV[11] ~= '' then restore_due(now) end
+  local refusal = admission(now, stride)
+  if refusal then return refusal end
   if #ARGV == HEAD + stride then
-    return acquire_one(HEAD + 1, policy, now, cur, holder, width, ttl, span)
+    return served(acquire_one(HEAD + 1, policy, now, cur, holder, width, ttl, span), now)
   end
 
   -- Read up front: the leases of the tokens (retries) and the sticky entries of the requests.
@@ -244,9 +327,7 @@ local function acquire_all(stride, policy)
   -- retry or sticky to a pool member (a draining one), before anything is written.
   if not load_peek() then
     for j = 1, n do
-      if not recs[j] and not (sid[reqs[j]] and pool(sid[reqs[j]])) then
-        return redis.error_reply('NOSERVERS no replica is accepting new sessions')
-      end
+      if not recs[j] and not (sid[reqs[j]] and pool(sid[reqs[j]])) then return refused() end
     end
   end
 
@@ -295,6 +376,7 @@ local function acquire_all(stride, policy)
       end
       local score = redis.call('ZINCRBY', zs, '1', id)
       if zs == LOAD then load_incremented(score, id) end
+      if CAPS and filled(id) then member[id], LL.min = false, nil end
       local field = id .. SEP .. req
       granted_tok[token] = field
       lease_kv[nl + 1], lease_kv[nl + 2] = token, lease_record(policy, i, id, field, holder)
@@ -380,5 +462,5 @@ local function acquire_all(stride, policy)
       redis.call('PEXPIREAT', nkey, expire_at)
     end
   end
-  return out
+  return served(out, now)
 end

@@ -35,6 +35,108 @@ local function forget_token(field, token, toks)
   end
 end
 
+-- Capacity and ejection (docs/design.md I10, I11). A replica that is full (its count reached
+-- P.."capacity"[id]) or ejected (in P.."ejected") takes no acquire at all: it waits in P.."off"
+-- with its count, P.."back"[id] naming the set it returns to ('load' or 'draining'). Acquires
+-- never look there, so every policy skips it and a sticky session on it is balanced anew, as
+-- for a removed replica. A pool that never declared a capacity nor ejected a replica never
+-- reaches this code: end_lease gets here only for a replica in neither `load` nor `draining`.
+local OFF = P .. 'off'
+-- Set by an acquire (one EXISTS per call) while some replica declares a capacity or a request
+-- waits for one: the pick compares load relative to capacity (lib/picking.lua).
+local CAPS = false
+
+local function capacity_of(id)
+  local c = redis.call('HGET', P .. 'capacity', id)
+  return c and tonumber(c)
+end
+
+-- Waiting acquires (FIFO across processes): P.."waiters" ZSET ticket -> arrival number,
+-- P.."waiting" HASH ticket -> holder..SEP..give-up time..SEP..arrived at (ms); a waiter blocks
+-- on P.."wake:"..ticket (BLPOP) and is woken when a replica may take new sessions again.
+-- The first live waiter, after dropping those whose time is up or whose holder is dead (a
+-- crashed process leaves nothing behind for longer than its lease ttl).
+local function first_waiter(now)
+  while true do
+    local head = redis.call('ZRANGE', P .. 'waiters', '0', '0')[1]
+    if not head then return nil end
+    local w = redis.call('HGET', P .. 'waiting', head)
+    local holder, til
+    if w then
+      local a = string.find(w, SEP, 1, true)
+      local b = string.find(w, SEP, a + 1, true)
+      holder, til = string.sub(w, 1, a - 1), tonumber(string.sub(w, a + 1, b - 1))
+    end
+    local alive = holder and tonumber(redis.call('ZSCORE', P .. 'holders', holder) or 0) > now
+    if w and til > now and alive then return head end
+    redis.call('ZREM', P .. 'waiters', head)
+    redis.call('HDEL', P .. 'waiting', head)
+    redis.call('DEL', P .. 'wake:' .. head)
+    redis.call('HINCRBY', P .. 'waitstats', 'abandoned', '1')
+  end
+end
+
+-- Wake the first waiter when a replica takes new sessions (one wake pending at most; a
+-- spurious one only makes the waiter try again). The wake key expires with the waiter.
+local function wake_first()
+  if redis.call('EXISTS', P .. 'waiters') == 0 then return end
+  local now = now_ms()
+  local head = first_waiter(now)
+  if not head or redis.call('ZCARD', LOAD) == 0 then return end
+  local key = P .. 'wake:' .. head
+  if redis.call('LLEN', key) == 0 then
+    redis.call('LPUSH', key, '1')
+    redis.call('PEXPIRE', key, '60000')
+  end
+end
+
+-- Move id from `load` or `draining` into `off` with its count. True if it moved.
+local function take_off(id)
+  for _, name in ipairs({ 'load', 'draining' }) do
+    local c = redis.call('ZSCORE', P .. name, id)
+    if c then
+      redis.call('ZREM', P .. name, id)
+      redis.call('ZADD', OFF, c, id)
+      redis.call('HSET', P .. 'back', id, name)
+      return true
+    end
+  end
+  return false
+end
+
+-- Return id from `off` to where it came from when it is neither full nor ejected (waking the
+-- first waiter if it takes new sessions again). True if it returned.
+local function put_back(id)
+  local c = redis.call('ZSCORE', OFF, id)
+  if not c then return false end
+  local cap = capacity_of(id)
+  if (cap and tonumber(c) >= cap) or redis.call('ZSCORE', P .. 'ejected', id) then return false end
+  local back = redis.call('HGET', P .. 'back', id) or 'load'
+  redis.call('ZREM', OFF, id)
+  redis.call('HDEL', P .. 'back', id)
+  redis.call('ZADD', P .. back, c, id)
+  if back == 'load' then wake_first() end
+  return true
+end
+
+-- After an acquire counted +1 on id: take it off when that filled it. True if it did.
+local function filled(id)
+  local cap = capacity_of(id)
+  if not cap then return false end
+  local c = redis.call('ZSCORE', LOAD, id) or redis.call('ZSCORE', P .. 'draining', id)
+  if c and tonumber(c) >= cap then return take_off(id) end
+  return false
+end
+
+-- Ejections whose time is up end (the replica returns unless it is full).
+local function restore_due(now)
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. 'ejected', '-inf', int(now))) do
+    redis.call('ZREM', P .. 'ejected', id)
+    redis.call('HDEL', P .. 'eject_why', id)
+    put_back(id)
+  end
+end
+
 -- End one lease: its record, index entries, holder entry, weight and count (I1). Every script
 -- that ends leases goes through here, whichever policy took them (a weight travels in the
 -- record, so an unweighed lease costs no lookup). `rec` (the lease's record) and `toks` (its
@@ -49,9 +151,11 @@ local function end_lease(token, rec, toks)
   redis.call('ZREM', P .. 'owned:' .. holder, token)
   if w then redis.call('ZINCRBY', P .. 'weighted', '-' .. w, id) end
   redis.call('ZREM', P .. 'held:' .. id, token)
-  -- ZADD XX INCR changes the count only where the replica is (load, else draining).
+  -- ZADD XX INCR changes the count only where the replica is (load, else draining, else off).
   if not redis.call('ZADD', LOAD, 'XX', 'INCR', '-1', id) then
-    redis.call('ZADD', P .. 'draining', 'XX', 'INCR', '-1', id)
+    if not redis.call('ZADD', P .. 'draining', 'XX', 'INCR', '-1', id) then
+      if redis.call('ZADD', OFF, 'XX', 'INCR', '-1', id) then put_back(id) end
+    end
   end
   return id
 end
@@ -93,7 +197,8 @@ local function heartbeat(holder, now, ttl, ...)
   if redis.call('ZADD', P .. 'holders', 'GT', int(now + ttl), holder) == 0 then return nil end
   -- The settings every process of a balancer must share, as fields of P.."config" ("" = off)
   -- (a table made only here: most calls of the scripts that load this part never get here).
-  local PINNED = { 'sticky_ttl_ms', 'affinity_margin', 'affinity_ratio', 'group_cap', 'group_by' }
+  local PINNED = { 'sticky_ttl_ms', 'affinity_margin', 'affinity_ratio', 'group_cap', 'group_by',
+    'ejection' }
   local mine = { ... }
   local pinned = redis.call('HMGET', P .. 'config', unpack(PINNED))
   local fresh = {}
