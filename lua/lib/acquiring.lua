@@ -95,9 +95,10 @@ end
 
 -- Admission (capacity, ejection, waiting; lib/leases.lua). An acquire that finds no replica
 -- for a request is refused with NOCAPACITY while some replica is full or ejected or a request
--- waits (the caller may wait for one), else NOSERVERS; nothing of the requests is written.
-local function refused()
-  if redis.call('EXISTS', OFF, P .. 'waiters') > 0 then
+-- waits (the caller may wait for one), or a batch needs more places than are free (`full`),
+-- else NOSERVERS; nothing of the requests is written.
+local function refused(full)
+  if full or redis.call('EXISTS', OFF, P .. 'waiters') > 0 then
     return redis.error_reply('NOCAPACITY every replica that could take the request is full or '
       .. 'ejected, or earlier requests are waiting for one')
   end
@@ -143,8 +144,8 @@ local function admission(now, stride)
   end
   if fresh == 0 then return nil end
   local head = first_waiter(now)
-  if head and head ~= TICKET then return refused() end
-  if CAPS and n > 1 and room() < fresh then return refused() end
+  if head and head ~= TICKET then return refused(true) end
+  if CAPS and n > 1 and room() < fresh then return refused(true) end
   return nil
 end
 
