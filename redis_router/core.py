@@ -392,8 +392,7 @@ class BalancerCore:
     def config_mismatch(self, field: str, pinned: str) -> ConfigMismatch:
         mine = self.settings().get(field, "")
         if field == "ejection":
-            what = f"ejection {mine or 'off'!r}"
-            theirs = repr(pinned or "off")
+            what, theirs = health.describe(mine), health.describe(pinned)
         elif field == "sticky_ttl_ms":
             what = f"sticky_ttl={self.sticky_ttl:g}s"
             theirs = f"{int(pinned) / 1000:g}s" if pinned.isdigit() else repr(pinned)

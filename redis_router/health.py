@@ -52,6 +52,17 @@ def ejection_setting(
     return f"{after} {round(base * 1000)} {round(top * 1000)} {share!r}"
 
 
+def describe(setting: str) -> str:
+    """A pinned ``ejection`` field as the options that make it."""
+    if not setting:
+        return "ejection off (eject_after=None)"
+    after, base, top, share = setting.split()
+    return (
+        f"eject_after={after}, eject_for={int(base) / 1000:g}s, "
+        f"eject_max={int(top) / 1000:g}s, max_ejected={share}"
+    )
+
+
 def wait_seconds(value: Any, what: str = "wait") -> float:
     """A waiting time for a full pool (0: fail at once)."""
     return _number(value, what, 0.0, MAX_WAIT)
