@@ -113,10 +113,11 @@ def test_status_table_shows_each_replica_as_the_library_sees_it(server, make_lb)
             r["reclaimed"],
             r["repins"],
         ]
-        assert json.loads(rows[sid][9]) == r["metadata"]
+        assert rows[sid][9] == "-"  # no capacity declared
+        assert json.loads(rows[sid][10]) == r["metadata"]
     assert rows["s3"][1] == "drained" and rows["s1"][1] == "draining"
     assert int(rows["TOTAL"][2]) == lb.get_total_inflight()
-    assert "2 active, 1 draining, 1 drained" in proc.stdout
+    assert "2 active, 0 full, 0 ejected, 1 draining, 1 drained" in proc.stdout
     assert "servers remove s3`" in proc.stdout  # what to do next with a drained replica
 
 
