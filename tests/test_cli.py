@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from redis_router import cli
+from redis_router import NoCapacity, cli
 
 from . import invariants
 
@@ -454,3 +454,24 @@ def test_global_options_work_after_the_subcommand(server, make_lb):
     proc = run_cli("status", "--json", "--redis", server.url, "--name", lb.name)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["balancer"] == lb.name
+
+
+def test_status_shows_full_and_ejected_replicas_and_waiting(server, make_lb):
+    lb = make_lb({"a": {"capacity": 1}, "b": None}, eject_after=1)
+    lb.drain_servers(["a"])
+    lb.acquire("on-b").fail()
+    lb.undrain_servers(["a"])
+    lb.acquire("fills-a")
+    with pytest.raises(NoCapacity):
+        lb.acquire("waits", wait=0.1)
+    proc = run_cli("--name", lb.name, "status", redis=server.url)
+    assert proc.returncode == 0, proc.stderr
+    rows = table_rows(proc.stdout)
+    assert rows["a"][1] == "full" and rows["a"][9] == "1"
+    assert rows["b"][1] == "ejected"
+    assert "ejected b until" in proc.stdout and "1 failed requests in a row" in proc.stdout
+    assert "ejection: eject_after=1, eject_for=30s, eject_max=300s" in proc.stdout
+    assert "0 served after waiting" in proc.stdout and "1 gave up" in proc.stdout
+    snap = json.loads(run_cli("--name", lb.name, "status", "--json", redis=server.url).stdout)
+    assert snap["replicas"]["b"]["ejected_why"] == "1 failed requests in a row"
+    assert snap["waiting"]["timed_out"] == 1
