@@ -36,7 +36,7 @@ local function release(id, req, token, op)
   local sid = end_lease(token, rec, toks)
   now = now or now_ms()
   redis.call('ZADD', P .. 'ended', now, op)
-  if string.byte(op) == 33 then failed(sid, 'failed requests', now) else succeeded(sid) end
+  released(sid, op, now)
   return token
 end
 

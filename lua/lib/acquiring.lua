@@ -133,19 +133,19 @@ local function admission(now, stride)
   if redis.call('EXISTS', P .. 'capacity', P .. 'waiters') == 0 then return nil end
   CAPS = redis.call('EXISTS', P .. 'capacity') == 1
   if ARGV[12] ~= '' then TICKET = ARGV[12] end
-  local toks, n = {}, 0
-  for i = HEAD + 2, #ARGV, stride do
-    n = n + 1
-    toks[n] = ARGV[i]
-  end
+  local head = first_waiter(now)
+  local queued = head and head ~= TICKET
+  local n = (#ARGV - HEAD) / stride
+  if not queued and not (CAPS and n > 1) then return nil end
+  -- Requests not granted yet (a resent call's granted ones need no place).
+  local toks = {}
+  for j = 1, n do toks[j] = ARGV[HEAD + 2 + (j - 1) * stride] end
   local recs, fresh = hmget(P .. 'leases', toks, n), 0
   for j = 1, n do
     if not recs[j] then fresh = fresh + 1 end
   end
   if fresh == 0 then return nil end
-  local head = first_waiter(now)
-  if head and head ~= TICKET then return refused(true) end
-  if CAPS and n > 1 and room() < fresh then return refused(true) end
+  if queued or (CAPS and room() < fresh) then return refused(true) end
   return nil
 end
 

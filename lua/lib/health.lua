@@ -23,6 +23,7 @@ local function eject(id, why, now, base, max, share)
   if redis.call('ZSCORE', P .. 'ejected', id) or redis.call('HEXISTS', P .. 'servers', id) == 0 then
     return nil
   end
+  restore_due(now) -- an ejection whose time is up no longer counts toward the share
   local pool = redis.call('HLEN', P .. 'servers')
   if redis.call('ZCARD', P .. 'ejected') + 1 > math.floor(pool * share + 1e-9) then return nil end
   local k = tonumber(redis.call('HGET', P .. 'ejections', id) or 0)
@@ -53,4 +54,14 @@ end
 local function succeeded(id)
   if STREAKS == nil then STREAKS = redis.call('EXISTS', P .. 'fails') == 1 end
   if STREAKS then redis.call('HDEL', P .. 'fails', id) end
+end
+
+-- A lease on id was released by operation `op`: its request failed when op starts with "!".
+local function released(id, op, now)
+  if not id then return end
+  if string.byte(op) == 33 then
+    failed(id, 'failed requests', now)
+  else
+    succeeded(id)
+  end
 end
