@@ -94,6 +94,14 @@ def check_round(balancer: Balancer, path: str, timeout: float) -> dict[str, str]
     return balancer.run(core.report(outcomes), core)
 
 
+def readable(state: str) -> str:
+    """report.lua's "ejected until <ms>" with a local clock time."""
+    head, _, until = state.partition(" until ")
+    if not until:
+        return state
+    return f"{head} until {time.strftime('%H:%M:%S', time.localtime(int(until) / 1000))}"
+
+
 def run(args: argparse.Namespace) -> int:
     if not args.interval > 0 or not args.timeout > 0:
         raise ValueError("--interval and --timeout must be > 0 seconds")
@@ -115,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
                 states = last
             for sid, state in sorted(states.items()):
                 if last.get(sid) != state.split(" until")[0] or args.once:
-                    print(f"{time.strftime('%H:%M:%S')} {sid}: {state}", flush=True)
+                    print(f"{time.strftime('%H:%M:%S')} {sid}: {readable(state)}", flush=True)
             last = {sid: state.split(" until")[0] for sid, state in states.items()}
             if args.once:
                 return 0
