@@ -60,7 +60,7 @@ end
 
 -- Least loaded relative to capacity (while some replica declares one, CAPS): count / capacity,
 -- compared exactly (a * d < c * b); a replica without a declared capacity counts as large as
--- the largest declared one. Ties broken by the client's integer, as least_loaded's. O(N).
+-- the largest declared among them. Ties broken by the client's integer, as least_loaded's. O(N).
 local function least_relative(rand)
   local flat = redis.call('ZRANGE', LOAD, '0', '-1', 'WITHSCORES')
   local n = #flat / 2
