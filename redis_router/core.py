@@ -521,8 +521,12 @@ class BalancerCore:
         flat: list[str] = []
         held = self.held
         ops = new_operations(len(releases))
-        if failed is not None:
-            ops = [("!" + op if bad else op) for op, bad in zip(ops, failed, strict=True)]
+        if failed is not None or self.ejection:
+            # "!": the request failed; "+": it succeeded and ends a failure streak (only
+            # with ejection on: off, no streak exists and a release costs no health call).
+            ok = "+" if self.ejection else ""
+            bad = failed or [False] * len(ops)
+            ops = [("!" if b else ok) + op for op, b in zip(ops, bad, strict=True)]
         for (server_id, request_id, token), op in zip(releases, ops, strict=True):
             flat += (server_id, request_id or "", token or "", op)
             if token:

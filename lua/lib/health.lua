@@ -2,7 +2,8 @@
 -- Envoy's outlier detection, shared by every process: `after` failures in a row eject a
 -- replica for base * (ejections in a row) ms, at most max ms, while at most `share` of the
 -- pool is ejected; a success clears the streak. The settings are pinned in P.."config" field
--- `ejection` ("after base_ms max_ms share"; "" = off): a failure reads them, a success never.
+-- `ejection` ("after base_ms max_ms share"; "" = off): a failure reads them, a success never
+-- (the release's operation id says whether ejection is on, see released()).
 --   P.."fails"      HASH  id -> failures in a row (exists only while some streak does)
 --   P.."ejected"    ZSET  id -> ejected until (ms); P.."eject_why" HASH id -> why
 --   P.."ejections"  HASH  id -> ejections in a row, id..SEP.."t" -> when the last one ends;
@@ -56,12 +57,14 @@ local function succeeded(id)
   if STREAKS then redis.call('HDEL', P .. 'fails', id) end
 end
 
--- A lease on id was released by operation `op`: its request failed when op starts with "!".
+-- A lease on id was released by operation `op`: its request failed when op starts with "!",
+-- succeeded with ejection on when it starts with "+" (its streak ends); any other release is
+-- a success with ejection off (every process pins it), where no streak exists: no call.
 local function released(id, op, now)
-  if not id then return end
-  if string.byte(op) == 33 then
+  local mark = id and string.byte(op)
+  if mark == 33 then
     failed(id, 'failed requests', now)
-  else
+  elseif mark == 43 then
     succeeded(id)
   end
 end
