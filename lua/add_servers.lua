@@ -15,12 +15,12 @@ for i = 1, #ARGV, 3 do
   else
     redis.call('HSET', P .. 'capacity', id, cap)
   end
-  if not pool_of(id) and not redis.call('ZSCORE', OFF, id) then
+  if not pool_of(id) and not redis.call('ZSCORE', P .. 'off', id) then
     redis.call('ZADD', P .. 'load', 0, id)
     redis.call('ZADD', P .. 'weighted', 'NX', 0, id)
     added = added + 1
-    wake_first()
+    admit().wake_first()
   end
-  if not filled(id) then put_back(id) end
+  if not admit().filled(id) then admit().put_back(id) end
 end
 return added

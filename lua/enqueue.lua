@@ -16,5 +16,5 @@ if redis.call('HEXISTS', P .. 'waiting', ticket) == 0 then
   redis.call('HSET', P .. 'waiting', ticket,
     holder .. SEP .. int(now + tonumber(ARGV[3])) .. SEP .. int(now))
 end
-wake_first()
+admit().wake_first()
 return redis.call('ZRANK', P .. 'waiters', ticket) or 0

@@ -22,8 +22,8 @@ local refused = heartbeat(holder, now, tonumber(ARGV[2]), ARGV[3], ARGV[7], ARGV
 if refused then return refused end
 -- Ejections whose time is up end even while nobody acquires, and a waiter whose process died
 -- passes its turn on (lib/leases.lua).
-if ARGV[11] ~= '' then restore_due(now) end
-wake_first()
+if ARGV[11] ~= '' then admit().restore_due(now) end
+admit().wake_first()
 local owned = P .. 'owned:' .. holder
 local overdue = redis.call('ZRANGEBYSCORE', owned, '-inf', int(now - tonumber(ARGV[4])),
   'LIMIT', '0', int(budget))

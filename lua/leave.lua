@@ -9,5 +9,5 @@ if redis.call('ZREM', P .. 'waiters', ticket) == 0 then return 0 end
 redis.call('HDEL', P .. 'waiting', ticket)
 redis.call('DEL', P .. 'wake:' .. ticket)
 redis.call('HINCRBY', P .. 'waitstats', 'timed_out', '1')
-wake_first()
+admit().wake_first()
 return 1

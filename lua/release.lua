@@ -1,8 +1,7 @@
 -- release.lua: end one or more leases, in order.
 -- KEYS[1]  key prefix "rr:{NAME}:"
 -- ARGV     quads: server id, request id or '', token or '', operation id (client-made,
---          unique per call, the same in a resent copy; "!" first: the request failed,
---          "+" first: it succeeded and ejection is on)
+--          unique per call, the same in a resent copy; "!"/"+" first: see Health)
 --          With a token, that lease ends (the token decides the replica). With a request id,
 --          the oldest lease of that request on that replica ends; with neither, the oldest
 --          lease on that replica.
@@ -13,8 +12,9 @@
 -- Keeps    I1 (count -1 with its lease, never below 0), I2, I6, I10, I11. Safe to resend: the
 --          operation id is remembered in P.."ended" (trimmed by heartbeat.lua), so a second
 --          copy reports the first one's result and never ends another lease.
--- Health   a failed request counts toward ejecting its replica (lib/health.lua), once per
---          lease; a success with ejection on ends the replica's failure streak.
+-- Health   "!" first: the request failed, which counts toward ejecting its replica
+--          (lib/health.lua), once per lease; "+" first: it succeeded with ejection on, which
+--          ends the replica's failure streak.
 -- Uses     lib/base, lib/leases, lib/health
 local now
 local function release(id, req, token, op)

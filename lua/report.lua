@@ -7,15 +7,15 @@
 --          ejections whose time is up end first.
 -- Uses     lib/base, lib/leases, lib/health
 local now = now_ms()
-restore_due(now)
+admit().restore_due(now)
 local out = {}
 for i = 1, #ARGV, 3 do
   local id = ARGV[i]
   if redis.call('HEXISTS', P .. 'servers', id) == 1 then
     if ARGV[i + 1] == '1' then
-      succeeded(id)
+      health().succeeded(id)
     else
-      failed(id, 'failed health checks (' .. ARGV[i + 2] .. ')', now)
+      health().failed(id, 'failed health checks (' .. ARGV[i + 2] .. ')', now)
     end
     local til = redis.call('ZSCORE', P .. 'ejected', id)
     out[#out + 1] = id

@@ -12,7 +12,7 @@ for _, id in ipairs(ARGV) do
     redis.call('ZREM', P .. 'draining', id)
     redis.call('ZADD', P .. 'load', count, id)
     n = n + 1
-    wake_first()
+    admit().wake_first()
   elseif redis.call('HGET', P .. 'back', id) == 'draining' then
     redis.call('HSET', P .. 'back', id, 'load') -- full or ejected: returns to `load`
     n = n + 1

@@ -93,83 +93,6 @@ local function groups(cur, span, width, ttl)
   return GROUPS
 end
 
--- Admission (capacity, ejection, waiting; lib/leases.lua). An acquire that finds no replica
--- for a request is refused with NOCAPACITY while some replica is full or ejected or a request
--- waits (the caller may wait for one), or a batch needs more places than are free (`full`),
--- else NOSERVERS; nothing of the requests is written.
-local function refused(full)
-  if full or redis.call('EXISTS', OFF, P .. 'waiters') > 0 then
-    return redis.error_reply('NOCAPACITY every replica that could take the request is full or '
-      .. 'ejected, or earlier requests are waiting for one')
-  end
-  return redis.error_reply('NOSERVERS no replica is accepting new sessions')
-end
-
--- Free places in `load` (math.huge when a replica there has no capacity).
-local function room()
-  local flat = redis.call('ZRANGE', LOAD, '0', '-1', 'WITHSCORES')
-  local n = #flat / 2
-  local ids = {}
-  for j = 1, n do ids[j] = flat[2 * j - 1] end
-  local caps = hmget(P .. 'capacity', ids, n)
-  local free = 0
-  for j = 1, n do
-    if not caps[j] then return math.huge end
-    free = free + tonumber(caps[j]) - tonumber(flat[2 * j])
-  end
-  return free
-end
-
--- The waiting ticket this call serves (ARGV[12]), while someone waits.
-local TICKET = nil
-
--- Run before anything of the requests is written; one EXISTS while no replica declares a
--- capacity and nobody waits. An acquire never overtakes an earlier waiter (FIFO across
--- processes): while one waits, only the first waiter's call, or a resent one whose leases
--- were all granted, passes. A batch is granted whole or refused: with capacities, it passes
--- only if the free places in `load` cover its requests not granted yet (conservative: a
--- sticky one may not need one). Returns the refusal, or nil.
-local function admission(now, stride)
-  if redis.call('EXISTS', P .. 'capacity', P .. 'waiters') == 0 then return nil end
-  CAPS = redis.call('EXISTS', P .. 'capacity') == 1
-  if ARGV[12] ~= '' then TICKET = ARGV[12] end
-  local head = first_waiter(now)
-  local queued = head and head ~= TICKET
-  local n = (#ARGV - HEAD) / stride
-  if not queued and not (CAPS and n > 1) then return nil end
-  -- Requests not granted yet (a resent call's granted ones need no place).
-  local toks = {}
-  for j = 1, n do toks[j] = ARGV[HEAD + 2 + (j - 1) * stride] end
-  local recs, fresh = hmget(P .. 'leases', toks, n), 0
-  for j = 1, n do
-    if not recs[j] then fresh = fresh + 1 end
-  end
-  if fresh == 0 then return nil end
-  if queued or (CAPS and room() < fresh) then return refused(true) end
-  return nil
-end
-
--- The reply of a successful call that served the first waiter: it leaves the queue (its wait
--- counted in P.."waitstats") and the next one is woken if a replica takes new sessions.
-local function served(out, now)
-  if TICKET and not out.err then
-    local w = redis.call('HGET', P .. 'waiting', TICKET)
-    if w then
-      local waited = now - tonumber(string.match(w, '(%d+)$'))
-      redis.call('ZREM', P .. 'waiters', TICKET)
-      redis.call('HDEL', P .. 'waiting', TICKET)
-      redis.call('DEL', P .. 'wake:' .. TICKET)
-      redis.call('HINCRBY', P .. 'waitstats', 'served', '1')
-      redis.call('HINCRBY', P .. 'waitstats', 'waited_ms', int(waited))
-      if waited > tonumber(redis.call('HGET', P .. 'waitstats', 'max_ms') or 0) then
-        redis.call('HSET', P .. 'waitstats', 'max_ms', int(waited))
-      end
-      wake_first()
-    end
-  end
-  return out
-end
-
 -- One request (the common case): the straight sequential procedure, without the batch's
 -- tables. Its arguments start at ARGV[i]; the caller has reaped and knows `now` and `cur`.
 local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
@@ -194,7 +117,7 @@ local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
   if moved then stay = nil end
   if not (stay and redis.call('ZADD', LOAD, 'XX', 'INCR', '1', old)) then
     if not (stay and redis.call('ZADD', P .. 'draining', 'XX', 'INCR', '1', old)) then
-      if not LL.min and not load_peek() then return refused() end
+      if not LL.min and not load_peek() then return admit().refused() end
       local g = not moved and ARGV[i + 3]
       if g == '' then g = nil end
       local grp = g and groups(cur, span, width, ttl)
@@ -207,7 +130,7 @@ local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
       end
     end
   end
-  if CAPS then filled(id) end
+  if CAPS then admit().filled(id) end
   local at = int(now)
   redis.call('ZADD', P .. 'held:' .. id, at, token)
   redis.call('ZADD', P .. 'owned:' .. holder, at, token)
@@ -253,7 +176,7 @@ end
 -- count is already +1; the lease records themselves are written when the whole batch is
 -- routed).
 -- Returns a flat array: per request, server id, JSON metadata, and 0 = balanced, 1 = sticky,
--- 2 = retry of a granted token; or the error NOSERVERS or NOCAPACITY (refused(); CONFIGMISMATCH:
+-- 2 = retry of a granted token; or the error NOSERVERS or NOCAPACITY (refused; CONFIGMISMATCH:
 -- this process's pinned settings are not the pinned ones) before anything is written.
 -- Capacity: an acquire that fills a replica takes it off (filled), so no later pick, sticky
 -- or new, reaches it until a lease there ends; a batch's cached level (LL) and pool lookups
@@ -272,11 +195,19 @@ local function acquire_all(stride, policy)
     ARGV[10], ARGV[11])
   if mismatch then return mismatch end
   MARGIN, RATIO, CAP = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
-  if ARGV[11] ~= '' then restore_due(now) end
-  local refusal = admission(now, stride)
-  if refusal then return refusal end
+  -- Health and admission (lib/leases.lua): free while no ejection is due, no replica declares
+  -- a capacity and nobody waits.
+  if ARGV[11] ~= '' and redis.call('ZRANGEBYSCORE', P .. 'ejected', '-inf', int(now), 'LIMIT',
+      '0', '1')[1] then
+    admit().restore_due(now)
+  end
+  if redis.call('EXISTS', P .. 'capacity', P .. 'waiters') > 0 then
+    local refusal = admit().admission(now, stride)
+    if refusal then return refusal end
+  end
   if #ARGV == HEAD + stride then
-    return served(acquire_one(HEAD + 1, policy, now, cur, holder, width, ttl, span), now)
+    local out = acquire_one(HEAD + 1, policy, now, cur, holder, width, ttl, span)
+    return TICKET and admit().served(out, now) or out
   end
 
   -- Read up front: the leases of the tokens (retries) and the sticky entries of the requests.
@@ -328,7 +259,7 @@ local function acquire_all(stride, policy)
   -- retry or sticky to a pool member (a draining one), before anything is written.
   if not load_peek() then
     for j = 1, n do
-      if not recs[j] and not (sid[reqs[j]] and pool(sid[reqs[j]])) then return refused() end
+      if not recs[j] and not (sid[reqs[j]] and pool(sid[reqs[j]])) then return admit().refused() end
     end
   end
 
@@ -377,7 +308,7 @@ local function acquire_all(stride, policy)
       end
       local score = redis.call('ZINCRBY', zs, '1', id)
       if zs == LOAD then load_incremented(score, id) end
-      if CAPS and filled(id) then member[id], LL.min = false, nil end
+      if CAPS and admit().filled(id) then member[id], LL.min = false, nil end
       local field = id .. SEP .. req
       granted_tok[token] = field
       lease_kv[nl + 1], lease_kv[nl + 2] = token, lease_record(policy, i, id, field, holder)
@@ -463,5 +394,5 @@ local function acquire_all(stride, policy)
       redis.call('PEXPIREAT', nkey, expire_at)
     end
   end
-  return served(out, now)
+  return TICKET and admit().served(out, now) or out
 end

@@ -58,35 +58,8 @@ local function load_incremented(score, id)
   end
 end
 
--- Least loaded relative to capacity (while some replica declares one, CAPS): count / capacity,
--- compared exactly (a * d < c * b); a replica without a declared capacity counts as large as
--- the largest declared among them. Ties broken by the client's integer, as least_loaded's. O(N).
-local function least_relative(rand)
-  local flat = redis.call('ZRANGE', LOAD, '0', '-1', 'WITHSCORES')
-  local n = #flat / 2
-  if n == 0 then return nil end
-  local ids = {}
-  for j = 1, n do ids[j] = flat[2 * j - 1] end
-  local caps = hmget(P .. 'capacity', ids, n)
-  local top = 1
-  for j = 1, n do
-    local c = tonumber(caps[j] or 0)
-    if c > top then top = c end
-  end
-  local ties, bn, bd = {}, nil, nil
-  for j = 1, n do
-    local num, den = tonumber(flat[2 * j]), tonumber(caps[j] or top)
-    if not bn or num * bd < bn * den then
-      ties, bn, bd = { ids[j] }, num, den
-    elseif num * bd == bn * den then
-      ties[#ties + 1] = ids[j]
-    end
-  end
-  return ties[rand % #ties + 1]
-end
-
 local function least_loaded(rand)
-  if CAPS then return least_relative(rand) end
+  if CAPS then return admit().least_relative(rand) end -- relative to capacity (lib/leases)
   if not LL.min and not load_peek() then return nil end
   if not LL.ties then LL.ties = redis.call('ZCOUNT', LOAD, LL.mins, LL.mins) end
   local r = rand % LL.ties
