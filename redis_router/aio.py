@@ -27,6 +27,7 @@ from .connection import (
     stale_pools,
 )
 from .core import (
+    EJECTION_SLACK,
     WAIT_SLACK,
     Call,
     Grant,
@@ -37,7 +38,13 @@ from .core import (
     new_token,
     new_tokens,
 )
-from .errors import NoCapacity, NoServersAvailable, RedisRouterError, RedisUnavailable
+from .errors import (
+    NoCapacity,
+    NoServersAvailable,
+    RedisRouterError,
+    RedisUnavailable,
+    ReplicaEjected,
+)
 from .policy import LeastLoaded, RoutingPolicy
 
 # Seconds close() waits for the cancelled keeper task to finish.
@@ -123,6 +130,7 @@ class AsyncRedisLoadBalancer:
         eject_for: float = health.EJECT_FOR,
         eject_max: float = health.EJECT_MAX,
         max_ejected: float = health.MAX_EJECTED,
+        ejected_sticky: str = "move",
         wait_timeout: float = 0.0,
         coalesce: bool = True,
         **policy_options: Any,
@@ -149,6 +157,7 @@ class AsyncRedisLoadBalancer:
             eject_for=eject_for,
             eject_max=eject_max,
             max_ejected=max_ejected,
+            ejected_sticky=ejected_sticky,
             wait_timeout=wait_timeout,
         )
         self._keeper: asyncio.Future[None] | None = None
@@ -248,14 +257,28 @@ class AsyncRedisLoadBalancer:
         the queue (see RedisLoadBalancer._wait_for_place) of at most ``wait`` seconds."""
         core = self._core
         budget = core.wait_timeout if wait is None else wait
+        deadline = time.monotonic() + budget
+        tokens = tokens or new_tokens(len(request_ids))
         try:
             return await first
+        except ReplicaEjected as exc:  # a sticky session waits for its replica's return
+            ejected: ReplicaEjected | None = exc
         except NoCapacity:
             if budget <= 0:
                 raise
-        tokens = tokens or new_tokens(len(request_ids))
+            ejected = None
+        while ejected is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ejected
+            await asyncio.sleep(min(left, ejected.seconds_left + EJECTION_SLACK))
+            try:
+                return await self._acquire(request_ids, tokens, fields)
+            except ReplicaEjected as exc:
+                ejected = exc
+            except NoCapacity:
+                break
         ticket = new_token()
-        deadline = time.monotonic() + budget
         await self._run(core.enqueue(ticket, budget + WAIT_SLACK))
         served = False
         try:
@@ -270,6 +293,8 @@ class AsyncRedisLoadBalancer:
                 await self._block(core.wake_key(ticket), left)
                 try:
                     grants = await self._acquire(request_ids, tokens, fields, ticket=ticket)
+                except ReplicaEjected:
+                    raise  # its replica was ejected meanwhile: it leaves the queue
                 except NoCapacity:
                     continue
                 served = True

@@ -22,6 +22,7 @@ from .connection import (
     stale_pools,
 )
 from .core import (
+    EJECTION_SLACK,
     WAIT_SLACK,
     Call,
     Grant,
@@ -32,7 +33,7 @@ from .core import (
     new_token,
     new_tokens,
 )
-from .errors import NoCapacity, RedisUnavailable
+from .errors import NoCapacity, RedisUnavailable, ReplicaEjected
 from .policy import LeastLoaded, RoutingPolicy
 
 
@@ -117,6 +118,7 @@ class RedisLoadBalancer:
         eject_for: float = health.EJECT_FOR,
         eject_max: float = health.EJECT_MAX,
         max_ejected: float = health.MAX_EJECTED,
+        ejected_sticky: str = "move",
         wait_timeout: float = 0.0,
         **policy_options: Any,
     ) -> None:
@@ -140,6 +142,7 @@ class RedisLoadBalancer:
             eject_for=eject_for,
             eject_max=eject_max,
             max_ejected=max_ejected,
+            ejected_sticky=ejected_sticky,
             wait_timeout=wait_timeout,
         )
         checked = validation.servers_mapping(servers) if servers is not None else {}
@@ -207,12 +210,20 @@ class RedisLoadBalancer:
     ) -> list[Grant]:
         core = self._core
         budget = core.wait_timeout if wait is None else health.wait_seconds(wait)
-        try:
-            return self._run(core.acquire(request_ids, tokens, fields))
-        except NoCapacity:
-            if budget <= 0:
-                raise
-        return self._wait_for_place(request_ids, tokens, fields, budget)
+        deadline = time.monotonic() + budget
+        while True:
+            try:
+                return self._run(core.acquire(request_ids, tokens, fields))
+            except ReplicaEjected as exc:  # a sticky session waits for its replica's return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                time.sleep(min(left, exc.seconds_left + EJECTION_SLACK))
+            except NoCapacity:
+                if budget <= 0:
+                    raise
+                left = deadline - time.monotonic()
+                return self._wait_for_place(request_ids, tokens, fields, max(left, 0.001))
 
     def _wait_for_place(
         self,
@@ -241,6 +252,8 @@ class RedisLoadBalancer:
                 self._block(core.wake_key(ticket), left)
                 try:
                     grants = self._run(core.acquire(request_ids, tokens, fields, ticket=ticket))
+                except ReplicaEjected:
+                    raise  # its replica was ejected meanwhile: it leaves the queue
                 except NoCapacity:
                     continue
                 served = True

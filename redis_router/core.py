@@ -15,7 +15,7 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from . import health, validation
-from .errors import ConfigMismatch, NoCapacity, NoServersAvailable
+from .errors import ConfigMismatch, NoCapacity, NoServersAvailable, ReplicaEjected
 from .policy import RoutingPolicy, make_policy
 from .scripts import Script, load
 
@@ -43,6 +43,9 @@ STICKY_BUCKETS = 4
 # A waiting acquire's ticket outlives its wait by this much (s), so its last try is never
 # dropped from the queue; a waiter that gives up leaves at once (leave.lua).
 WAIT_SLACK = 5.0
+# A sticky session waiting for its ejected replica tries again this long (s) after the
+# ejection's end, when an acquire has ended it.
+EJECTION_SLACK = 0.01
 # Tie-break entropy per request (bits); modulo bias over a few thousand ties is ~2**-36.
 RAND_BITS = 48
 
@@ -95,6 +98,7 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "eject_for": health.EJECT_FOR,
     "eject_max": health.EJECT_MAX,
     "max_ejected": health.MAX_EJECTED,
+    "ejected_sticky": "move",
     "wait_timeout": 0.0,
 }
 # The acquire field naming a request's group (GRPO: the samples of one prompt).
@@ -262,6 +266,7 @@ class BalancerCore:
         eject_for: float = health.EJECT_FOR,
         eject_max: float = health.EJECT_MAX,
         max_ejected: float = health.MAX_EJECTED,
+        ejected_sticky: str = "move",
         wait_timeout: float = 0.0,
     ) -> None:
         self.name = validation.name(name)
@@ -300,7 +305,10 @@ class BalancerCore:
             self.group_by if on and self.group_by is not None else "",
         )
         # Passive health, pinned for every process ("" = off): lib/health.lua.
-        self.ejection = health.ejection_setting(eject_after, eject_for, eject_max, max_ejected)
+        self.ejection = health.ejection_setting(
+            eject_after, eject_for, eject_max, max_ejected, ejected_sticky
+        )
+        self.ejected_sticky = ejected_sticky
         self.eject_after, self.eject_for = eject_after, float(eject_for)
         self.eject_max, self.max_ejected = float(eject_max), float(max_ejected)
         # How long an acquire waits for a full pool by default (0: NoCapacity at once).
@@ -351,6 +359,16 @@ class BalancerCore:
         if text.startswith("CONFIGMISMATCH"):
             _, field, *value = text.split()
             return self.config_mismatch(field, value[0] if value else "")
+        if text.startswith("EJECTED"):
+            _, left, sid = text.split(" ", 2)  # a server id may hold spaces: it comes last
+            seconds = max(0.0, int(left) / 1000)
+            return ReplicaEjected(
+                f"balancer {self.name!r}: the session's replica {sid!r} is ejected (failing) "
+                f"for {seconds:.1f}s more, and ejected_sticky='wait' keeps sessions on their "
+                "replica; wait longer (wait=seconds), or use ejected_sticky='move'",
+                sid,
+                seconds,
+            )
         if text.startswith("NOCAPACITY"):
             return NoCapacity(
                 f"balancer {self.name!r}: every replica that could take the request is full "
@@ -739,7 +757,11 @@ class BalancerCore:
                 zip(("live", "dead", "awaiting_reclaim"), map(int, holders), strict=True)
             ),
             "ejection": health.ejection_status(
-                self.eject_after, self.eject_for, self.eject_max, self.max_ejected
+                self.eject_after,
+                self.eject_for,
+                self.eject_max,
+                self.max_ejected,
+                self.ejected_sticky,
             ),
             "ejected_servers": sorted(s for s, r in replicas.items() if r["ejected_until"]),
             "full_servers": sorted(s for s, r in replicas.items() if r["full"]),

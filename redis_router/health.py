@@ -34,10 +34,22 @@ def _number(value: Any, what: str, lo: float, hi: float) -> float:
     return float(value)
 
 
+STICKY_MODES = ("move", "wait")
+
+
 def ejection_setting(
-    after: int | None, eject_for: float, eject_max: float, max_ejected: float
+    after: int | None,
+    eject_for: float,
+    eject_max: float,
+    max_ejected: float,
+    ejected_sticky: str = "move",
 ) -> str:
-    """The pinned field ``ejection`` ("after base_ms max_ms share"; "" = off), checked."""
+    """The pinned field ``ejection`` ("after base_ms max_ms share mode"; "" = off), checked."""
+    if ejected_sticky not in STICKY_MODES:
+        raise ValueError(
+            f"ejected_sticky must be one of {STICKY_MODES} (where the sticky sessions of an "
+            f"ejected replica go: elsewhere, or wait for it), got {ejected_sticky!r}"
+        )
     base = _number(eject_for, "eject_for", 0.001, MAX_EJECT_SECONDS)
     top = _number(eject_max, "eject_max", 0.001, MAX_EJECT_SECONDS)
     share = _number(max_ejected, "max_ejected", 0.0, 1.0)
@@ -49,17 +61,18 @@ def ejection_setting(
         raise TypeError(f"eject_after must be an int or None, got {type(after).__name__}")
     if not 1 <= after <= MAX_EJECT_AFTER:
         raise ValueError(f"eject_after must be in [1, {MAX_EJECT_AFTER}], got {after}")
-    return f"{after} {round(base * 1000)} {round(top * 1000)} {share!r}"
+    return f"{after} {round(base * 1000)} {round(top * 1000)} {share!r} {ejected_sticky}"
 
 
 def describe(setting: str) -> str:
     """A pinned ``ejection`` field as the options that make it."""
     if not setting:
         return "ejection off (eject_after=None)"
-    after, base, top, share = setting.split()
+    after, base, top, share, *mode = setting.split()
     return (
         f"eject_after={after}, eject_for={int(base) / 1000:g}s, "
-        f"eject_max={int(top) / 1000:g}s, max_ejected={share}"
+        f"eject_max={int(top) / 1000:g}s, max_ejected={share}, "
+        f"ejected_sticky={mode[0] if mode else 'move'}"
     )
 
 
@@ -125,7 +138,7 @@ def waiting_status(row: Sequence[Any]) -> dict[str, Any]:
 
 
 def ejection_status(
-    after: int | None, eject_for: float, eject_max: float, max_ejected: float
+    after: int | None, eject_for: float, eject_max: float, max_ejected: float, sticky: str
 ) -> dict[str, Any] | None:
     if after is None:
         return None
@@ -134,4 +147,5 @@ def ejection_status(
         "eject_for": eject_for,
         "eject_max": eject_max,
         "max_ejected": max_ejected,
+        "ejected_sticky": sticky,
     }

@@ -18,6 +18,7 @@ import pytest
 from redis_router import ConfigMismatch, RedisLoadBalancer
 from redis_router.cli import main as cli
 from redis_router.core import Call
+from redis_router.errors import ReplicaEjected
 from redis_router.scripts import load
 
 from . import invariants
@@ -304,3 +305,65 @@ def test_async_fail_ejects_as_the_sync_one(server, r):
 
     assert asyncio.run(main()) == {"b"}
     assert r.zscore(invariants.prefix("af") + "ejected", "a") is not None
+
+
+def test_with_ejected_sticky_wait_a_session_waits_for_its_replica(make_lb, r):
+    lb = make_lb({"a": None, "b": None}, eject_after=1, eject_for=0.5, ejected_sticky="wait")
+    lb.drain_servers(["b"])
+    lb.acquire("chat").release()  # pinned to a
+    lb.undrain_servers(["b"])
+    _on(lb, "a").fail()  # a ejected for 0.5 s
+    before = invariants.check(r, lb.name)
+    with pytest.raises(ReplicaEjected) as refused:
+        lb.acquire("chat")
+    assert refused.value.server_id == "a" and 0 < refused.value.seconds_left <= 0.5
+    with pytest.raises(ReplicaEjected):
+        lb.acquire_many(["fresh", "chat"])  # a batch is refused whole, before any write
+    assert invariants.check(r, lb.name) == before
+    assert lb.acquire("fresh").server_id == "b"  # new sessions go elsewhere meanwhile
+    started = time.monotonic()
+    turn = lb.acquire("chat", wait=3)
+    waited = time.monotonic() - started
+    assert turn.server_id == "a" and turn.sticky
+    assert 0.3 <= waited < 2.0, waited
+    with pytest.raises(ReplicaEjected, match="for 0"):
+        _on(lb, "a").fail()
+        lb.acquire("chat", wait=0.1)  # ejected again (1 s now); waiting 0.1 s is not enough
+    invariants.check(r, lb.name)
+
+
+def test_async_sticky_session_waits_for_its_ejected_replica(server, r):
+    import asyncio
+
+    from redis_router import AsyncRedisLoadBalancer
+
+    async def main() -> tuple[str, float]:
+        lb = AsyncRedisLoadBalancer(
+            {"a": None, "b": None},
+            redis=server.url,
+            name="aw",
+            eject_after=1,
+            eject_for=0.4,
+            ejected_sticky="wait",
+        )
+        await lb.drain_servers(["b"])
+        await (await lb.acquire("chat")).release()
+        lease = await lb.acquire("other")
+        await lb.undrain_servers(["b"])
+        await lease.fail()
+        started = time.monotonic()
+        turn = await lb.acquire("chat", wait=3)
+        waited = time.monotonic() - started
+        await turn.release()
+        await lb.close()
+        return turn.server_id, waited
+
+    sid, waited = asyncio.run(main())
+    assert sid == "a" and 0.25 <= waited < 2.0, waited
+    invariants.check(r, "aw")
+
+
+def test_ejected_sticky_must_be_move_or_wait(make_lb, r):
+    with pytest.raises(ValueError, match="ejected_sticky"):
+        make_lb({"a": None}, eject_after=1, ejected_sticky="stay")
+    assert r.keys("*") == []

@@ -15,6 +15,9 @@ end
 -- loaded one's by more than MARGIN requests and is above RATIO times it (taken as at least 1);
 -- both when both are set. Counted per replica left in P.."repins".
 local MARGIN, RATIO = nil, nil
+-- HOLD: ejected_sticky = 'wait' (the pinned ejection settings' last field): a sticky session
+-- whose replica is ejected is refused (EJECTED) instead of balanced anew, and waits for it.
+local HOLD = false
 
 -- True when the sticky replica `old` (in P.."load") is too far above the least loaded.
 local function overloaded(old)
@@ -117,6 +120,8 @@ local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
   if moved then stay = nil end
   if not (stay and redis.call('ZADD', LOAD, 'XX', 'INCR', '1', old)) then
     if not (stay and redis.call('ZADD', P .. 'draining', 'XX', 'INCR', '1', old)) then
+      local held = HOLD and old and admit().held(old, now)
+      if held then return held end
       if not LL.min and not load_peek() then return admit().refused() end
       local g = not moved and ARGV[i + 3]
       if g == '' then g = nil end
@@ -197,9 +202,11 @@ local function acquire_all(stride, policy)
   MARGIN, RATIO, CAP = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
   -- Health and admission (lib/leases.lua): free while no ejection is due, no replica declares
   -- a capacity and nobody waits.
-  if ARGV[11] ~= '' and redis.call('ZRANGEBYSCORE', P .. 'ejected', '-inf', int(now), 'LIMIT',
-      '0', '1')[1] then
-    admit().restore_due(now)
+  if ARGV[11] ~= '' then
+    HOLD = string.sub(ARGV[11], -5) == ' wait'
+    if redis.call('ZRANGEBYSCORE', P .. 'ejected', '-inf', int(now), 'LIMIT', '0', '1')[1] then
+      admit().restore_due(now)
+    end
   end
   if redis.call('EXISTS', P .. 'capacity', P .. 'waiters') > 0 then
     local refusal = admit().admission(now, stride)
@@ -253,6 +260,14 @@ local function acquire_all(stride, policy)
       member[id] = zs
     end
     return zs
+  end
+
+  -- A session held by its ejected replica (HOLD) refuses the whole batch, before any write.
+  if HOLD then
+    for j = 1, n do
+      local held = not recs[j] and sid[reqs[j]] and admit().held(sid[reqs[j]], now)
+      if held then return held end
+    end
   end
 
   -- With no replica taking new sessions, refuse the whole batch unless each request is a

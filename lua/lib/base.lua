@@ -42,7 +42,8 @@ local LOAD = P .. 'load'
 -- ARGV[1..HEAD] of every acquire: lease ttl (ms), sticky bucket width (ms), sticky ttl (ms),
 -- buckets to search back, router flag, holder, affinity margin (in-flight requests, "" = off),
 -- affinity ratio ("" = off), group cap (members, "" = none), group_by (pinned only),
--- ejection settings (pinned, lib/health.lua; "" = off), waiting ticket ("" = none).
+-- ejection settings (pinned, lib/health.lua; "" = off; ends in ' wait' for ejected_sticky =
+-- 'wait'), waiting ticket ("" = none).
 -- Requests start at ARGV[HEAD + 1]; each has OWN core arguments (request id, lease token,
 -- random integer, group id or "") before a policy's own, which start at ARGV[i + OWN].
 local HEAD = 12

@@ -2,7 +2,7 @@
 -- Envoy's outlier detection, shared by every process: `after` failures in a row eject a
 -- replica for base * (ejections in a row) ms, at most max ms, while at most `share` of the
 -- pool is ejected; a success clears the streak. The settings are pinned in P.."config" field
--- `ejection` ("after base_ms max_ms share"; "" = off): a failure reads them, a success never
+-- `ejection` ("after base_ms max_ms share mode"; "" = off): a failure reads them, a success never
 -- (the release's operation id says whether ejection is on, see released()).
 --   P.."fails"      HASH  id -> failures in a row (exists only while some streak does)
 --   P.."ejected"    ZSET  id -> ejected until (ms); P.."eject_why" HASH id -> why
@@ -20,7 +20,7 @@ local function health()
   function H.settings()
     local s = redis.call('HGET', P .. 'config', 'ejection')
     if not s or s == '' then return nil end
-    local after, base, max, share = string.match(s, '^(%S+) (%S+) (%S+) (%S+)$')
+    local after, base, max, share = string.match(s, '^(%S+) (%S+) (%S+) (%S+)')
     return tonumber(after), tonumber(base), tonumber(max), tonumber(share)
   end
 

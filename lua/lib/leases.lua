@@ -155,6 +155,14 @@ local function admit()
     return redis.error_reply('NOSERVERS no replica is accepting new sessions')
   end
 
+  -- With ejected_sticky = 'wait': the refusal of a sticky session whose replica `old` is
+  -- ejected (it keeps its entry and waits for the replica), or nil.
+  function M.held(old, now)
+    local til = redis.call('ZSCORE', P .. 'ejected', old)
+    if not til or not redis.call('ZSCORE', OFF, old) then return nil end
+    return redis.error_reply('EJECTED ' .. int(math.max(0, tonumber(til) - now)) .. ' ' .. old)
+  end
+
   -- Free places in `load` (math.huge when a replica there has no capacity).
   function M.room()
     local flat = redis.call('ZRANGE', LOAD, '0', '-1', 'WITHSCORES')
