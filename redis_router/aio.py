@@ -279,7 +279,7 @@ class AsyncRedisLoadBalancer:
             except NoCapacity:
                 break
         ticket = new_token()
-        await self._run(core.enqueue(ticket, budget + WAIT_SLACK))
+        await self._run(core.enqueue(ticket, max(0.0, deadline - time.monotonic()) + WAIT_SLACK))
         served = False
         try:
             while True:

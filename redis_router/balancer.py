@@ -222,8 +222,7 @@ class RedisLoadBalancer:
             except NoCapacity:
                 if budget <= 0:
                     raise
-                left = deadline - time.monotonic()
-                return self._wait_for_place(request_ids, tokens, fields, max(left, 0.001))
+                return self._wait_for_place(request_ids, tokens, fields, budget, deadline)
 
     def _wait_for_place(
         self,
@@ -231,14 +230,14 @@ class RedisLoadBalancer:
         tokens: list[str] | None,
         fields: Sequence[Mapping[str, Any]] | None,
         budget: float,
+        deadline: float,
     ) -> list[Grant]:
         """Wait in the balancer's queue (FIFO across processes) until a replica takes the
         requests: woken by a script's push to this waiter's key, which BLPOP blocks on."""
         core = self._core
         tokens = tokens or new_tokens(len(request_ids))
         ticket = new_token()
-        deadline = time.monotonic() + budget
-        self._run(core.enqueue(ticket, budget + WAIT_SLACK))
+        self._run(core.enqueue(ticket, max(0.0, deadline - time.monotonic()) + WAIT_SLACK))
         served = False
         try:
             while True:

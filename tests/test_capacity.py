@@ -222,12 +222,15 @@ def _sessions(url: str, name: str, seed: int, barrier, results) -> None:
     p = invariants.prefix(name)
     over: list[str] = []
     done = [0]
+    waits: list[float] = []
     lock = threading.Lock()
 
     def session(k: int) -> None:
         rnd = random.Random(seed * 100 + k)
         for turn in range(4):
+            asked = time.monotonic()
             lease = lb.acquire(f"{seed}-{k}-{turn % 2}", wait=60)
+            waits.append(time.monotonic() - asked)
             count = max(float(raw.zscore(p + zs, lease.server_id) or -1) for zs in ("load", "off"))
             if count > CAPS[lease.server_id]:
                 over.append(f"{lease.server_id}: {count}")
@@ -242,7 +245,7 @@ def _sessions(url: str, name: str, seed: int, barrier, results) -> None:
         t.start()
     for t in threads:
         t.join()
-    results.put((done[0], over))
+    results.put((done[0], over, waits))
     lb.close()
 
 
@@ -275,14 +278,19 @@ def test_capacity_is_never_exceeded_by_4_processes_of_32_sessions(make_lb, serve
             if p.is_alive():
                 p.kill()
     assert all(p.exitcode == 0 for p in procs)
-    assert sum(done for done, _ in outcomes) == 4 * 32 * 4
-    assert [o for _, over in outcomes for o in over] == []
+    assert sum(done for done, _, _ in outcomes) == 4 * 32 * 4
+    assert [o for _, over, _ in outcomes for o in over] == []
     assert all(peak[s] <= CAPS[s] for s in CAPS), peak
     assert peak == CAPS  # the run did fill every replica
     waiting = lb.get_status()["waiting"]
+    means = [statistics.mean(w) * 1000 for _, _, w in outcomes]
+    every = sorted(x for _, _, w in outcomes for x in w)
     print(
         f"\n4 processes x 32 sessions x 4 turns on capacities {CAPS}: {snapshots} raw "
         f"snapshots, peak {peak}; {waiting['served']} acquires waited (mean "
-        f"{waiting['mean_wait'] * 1000:.0f} ms, max {waiting['max_wait'] * 1000:.0f} ms)"
+        f"{waiting['mean_wait'] * 1000:.0f} ms, max {waiting['max_wait'] * 1000:.0f} ms); "
+        f"per-process mean acquire time {min(means):.0f}..{max(means):.0f} ms (spread "
+        f"{max(means) / min(means):.2f}x), p50 {every[len(every) // 2] * 1000:.0f} ms, p99 "
+        f"{every[int(len(every) * 0.99)] * 1000:.0f} ms"
     )
     assert invariants.check(r, lb.name) == dict.fromkeys(CAPS, 0)
