@@ -475,3 +475,13 @@ def test_status_shows_full_and_ejected_replicas_and_waiting(server, make_lb):
     snap = json.loads(run_cli("--name", lb.name, "status", "--json", redis=server.url).stdout)
     assert snap["replicas"]["b"]["ejected_why"] == "1 failed requests in a row"
     assert snap["waiting"]["timed_out"] == 1
+
+
+def test_servers_add_declares_a_capacity(server, make_lb, r):
+    lb = make_lb({"a": None})
+    proc = run_cli("--name", lb.name, "servers", "add", "b", "--capacity", "2", redis=server.url)
+    assert proc.returncode == 0, proc.stderr
+    assert r.hget(invariants.prefix(lb.name) + "capacity", "b") == "2"
+    proc = run_cli("--name", lb.name, "servers", "add", "b", "--capacity", "0", redis=server.url)
+    assert proc.returncode == 1 and "capacity" in proc.stderr
+    assert r.hget(invariants.prefix(lb.name) + "capacity", "b") == "2"  # nothing changed
