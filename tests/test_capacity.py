@@ -294,3 +294,35 @@ def test_capacity_is_never_exceeded_by_4_processes_of_32_sessions(make_lb, serve
         f"{every[int(len(every) * 0.99)] * 1000:.0f} ms"
     )
     assert invariants.check(r, lb.name) == dict.fromkeys(CAPS, 0)
+
+
+def test_coalesced_async_acquires_never_exceed_capacity(server, r):
+    import asyncio
+
+    caps = {"a": 2, "b": 3}
+
+    async def main() -> tuple[int, dict[str, int]]:
+        lb = AsyncRedisLoadBalancer(
+            {sid: {"capacity": c} for sid, c in caps.items()}, redis=server.url, name="co"
+        )
+        peak = dict.fromkeys(caps, 0)
+        done = 0
+
+        async def session(k: int) -> None:
+            nonlocal done
+            for turn in range(3):
+                lease = await lb.acquire(f"s{k}-{turn}", wait=30)
+                for sid, n in _raw_counts(r, "co").items():
+                    peak[sid] = max(peak[sid], n)
+                await asyncio.sleep(0.002)
+                await lease.release()
+                done += 1
+
+        await asyncio.gather(*(session(k) for k in range(24)))
+        await lb.close()
+        return done, peak
+
+    done, peak = asyncio.run(main())
+    assert done == 72
+    assert all(peak[s] <= caps[s] for s in caps), peak
+    assert invariants.check(r, "co") == {"a": 0, "b": 0}

@@ -253,6 +253,15 @@ def test_an_ejected_replicas_sticky_session_moves(make_lb, r):
     invariants.check(r, lb.name)
 
 
+def test_release_server_with_failed_reports_the_failure(make_lb, r):
+    lb = make_lb({"a": None, "b": None}, eject_after=2)
+    lease = _on(lb, "a")
+    assert lb.release_server("a", lease.request_id, failed=True)
+    p = invariants.prefix(lb.name)
+    assert r.hget(p + "fails", "a") == "1" and r.hget(p + "failures", "a") == "1"
+    assert lb.get_status()["replicas"]["a"]["failures_in_a_row"] == 1
+
+
 def test_a_resent_failed_release_counts_once(make_lb, r):
     lb = make_lb({"a": None, "b": None}, eject_after=2)
     lease = _on(lb, "a")
