@@ -55,6 +55,10 @@ def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
     small = RedisLoadBalancer(servers(8), redis=client, name="bench-lat-8")
     grouped = RedisLoadBalancer(servers(8), redis=client, name="bench-lat-group", group_by="-")
     large = RedisLoadBalancer(servers(4096), redis=client, name="bench-lat-4096")
+    # Health and admission on, nothing full or ejected: what declaring them costs.
+    capped = RedisLoadBalancer(redis=client, name="bench-lat-capacity")
+    capped.add_servers(servers(8), capacity=dict.fromkeys(servers(8), 1_000_000))
+    ejecting = RedisLoadBalancer(servers(8), redis=client, name="bench-lat-eject", eject_after=5)
     noop_sha = client.script_load(NOOP)
     prefix = small._core.prefix
 
@@ -65,15 +69,19 @@ def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
             evalsha(noop_sha, 1, prefix)
 
     pair8, pair4096, group8 = pair_loop(small), pair_loop(large), group_pair_loop(grouped)
-    for warm in (noop, pair8, pair4096, group8):
+    pair_cap, pair_eject = pair_loop(capped), pair_loop(ejecting)
+    for warm in (noop, pair8, pair4096, group8, pair_cap, pair_eject):
         warm(max(50, sizes.block // 2))
     t_pair, t_noop, ratio = interleaved(pair8, noop, sizes.rounds, sizes.block)
     t_large, t_small, flat = interleaved(pair4096, pair8, sizes.rounds, sizes.block)
     t_group, t_plain, by_group = interleaved(group8, pair8, sizes.rounds, sizes.block)
+    t_cap, t_plain2, by_cap = interleaved(pair_cap, pair8, sizes.rounds, sizes.block)
+    t_eject, t_plain3, by_eject = interleaved(pair_eject, pair8, sizes.rounds, sizes.block)
     n = sizes.rounds * sizes.block
     single = server_time(client, pair8, n) / n
     batched = server_time(client, batch_loop(small, BATCH), n) / n
-    for lb in (small, large, grouped):
+    single_cap = server_time(client, pair_cap, n) / n
+    for lb in (small, large, grouped, capped, ejecting):
         lb.destroy()
     return [
         Row(
@@ -107,6 +115,26 @@ def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
             target=("<=", 1.2),
         ),
         Row(
+            "capacity_pair_vs_default",
+            "acquire+release pair, 8 replicas declaring a capacity (none full)",
+            t_cap,
+            "s",
+            baseline="default pair",
+            baseline_value=t_plain2,
+            ratio=by_cap,
+            target=("<=", 1.2),
+        ),
+        Row(
+            "ejection_pair_vs_default",
+            "acquire+release pair with ejection on (eject_after=5, none ejected)",
+            t_eject,
+            "s",
+            baseline="default pair",
+            baseline_value=t_plain3,
+            ratio=by_eject,
+            target=("<=", 1.1),
+        ),
+        Row(
             "server_time_pair",
             "Redis server time per acquire+release pair (commandstats)",
             single,
@@ -122,6 +150,15 @@ def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
             baseline_value=single,
             ratio=batched / single,
             note=f"bounds one balancer at ~{1 / batched:,.0f} pairs/s",
+        ),
+        Row(
+            "server_time_pair_capacity",
+            "    ... with a capacity declared on each replica",
+            single_cap,
+            "s",
+            baseline="single",
+            baseline_value=single,
+            ratio=single_cap / single,
         ),
     ]
 

@@ -65,7 +65,7 @@ def measure_router(client: redis.Redis, n: int) -> tuple[float, float, float]:
     assert lb.get_total_inflight() == 0
     _settled(client)
     with_records = used_memory(client)
-    client.delete(lb._core.prefix + "ended")
+    client.delete(lb._core.prefix + "ended", lb._core.prefix + "ended:old")
     _settled(client)
     sticky_only = used_memory(client)
     status = lb.get_status()

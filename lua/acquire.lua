@@ -14,7 +14,7 @@
 -- Error    "NOSERVERS ..." when some request has no replica to go to, "CONFIGMISMATCH <field>
 --          <pinned>" when another process pinned other settings; nothing of the requests is
 --          written then (the holder's heartbeat is: it came first).
--- Uses     lib/base, lib/holders, lib/picking, lib/acquiring
+-- Uses     lib/base, lib/holders, lib/admission, lib/picking, lib/acquiring
 local deterministic = ARGV[5] == '1'
 return acquire_all(OWN, {
   choose = function(i)

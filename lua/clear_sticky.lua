@@ -14,7 +14,7 @@ for b = cur + 1, cur - span, -1 do
   redis.call('DEL', key, P .. 'stickyn:' .. int(b))
 end
 local loads = {}
-for _, zs in ipairs({ 'load', 'draining' }) do
+for _, zs in ipairs({ 'load', 'draining', 'off' }) do
   for _, v in ipairs(redis.call('ZRANGE', P .. zs, 0, -1, 'WITHSCORES')) do loads[#loads + 1] = v end
 end
 return { n, loads }

@@ -6,13 +6,13 @@
 -- Uses     lib/base
 local out = {}
 if #ARGV == 0 then
-  for _, zs in ipairs({ 'load', 'draining' }) do
+  for _, zs in ipairs({ 'load', 'draining', 'off' }) do
     for _, v in ipairs(redis.call('ZRANGE', P .. zs, 0, -1, 'WITHSCORES')) do out[#out + 1] = v end
   end
   return out
 end
 for _, id in ipairs(ARGV) do
-  local zs = pool_of(id)
+  local zs = pool_of(id) or (redis.call('ZSCORE', P .. 'off', id) and P .. 'off')
   if zs then
     out[#out + 1] = id
     out[#out + 1] = redis.call('ZSCORE', zs, id)

@@ -7,7 +7,7 @@
 local width, span = tonumber(ARGV[1]), tonumber(ARGV[2])
 local cur = math.floor(now_ms() / width)
 local n = 0
-for _, zs in ipairs({ 'load', 'draining' }) do
+for _, zs in ipairs({ 'load', 'draining', 'off' }) do
   for _, id in ipairs(redis.call('ZRANGE', P .. zs, 0, -1)) do
     n = n + redis.call('DEL', P .. 'held:' .. id)
   end
@@ -15,12 +15,17 @@ end
 for _, holder in ipairs(redis.call('ZRANGE', P .. 'holders', 0, -1)) do
   n = n + redis.call('DEL', P .. 'owned:' .. holder)
 end
+for _, ticket in ipairs(redis.call('ZRANGE', P .. 'waiters', 0, -1)) do
+  n = n + redis.call('DEL', P .. 'wake:' .. ticket)
+end
 for b = cur + 1, cur - span, -1 do
   n = n + redis.call('DEL', P .. 'sticky:' .. b, P .. 'stickyn:' .. b, P .. 'group:' .. b)
 end
 for _, k in ipairs({ 'servers', 'load', 'draining', 'leases', 'byreq', 'holders', 'ended', 'ended:old',
                      'acquires', 'sticky_hits', 'reclaimed', 'repins', 'config', 'weights',
-                     'weighted', 'locality', 'weight_version' }) do
+                     'weighted', 'locality', 'weight_version', 'off', 'back', 'capacity',
+                     'ejected', 'eject_why', 'fails', 'ejections', 'failures', 'waiters',
+                     'waiting', 'waitseq', 'waitstats' }) do
   n = n + redis.call('DEL', P .. k)
 end
 return n

@@ -6,7 +6,7 @@
 -- Keeps    I1, I2: only leases this holder owns, acquired or renewed before now - grace (so a
 --          grant still on its way to the process is never taken), each ended once, counted as
 --          reclaimed.
--- Uses     lib/base, lib/leases
+-- Uses     lib/base, lib/admission, lib/leases
 local owned = P .. 'owned:' .. ARGV[1]
 local before = now_ms() - tonumber(ARGV[2])
 local n = 0

@@ -4,7 +4,7 @@
 -- ARGV[3]  sticky ttl (ms), checked against the pinned one
 -- ARGV[4]  max lease age (ms): this holder's leases acquired (or renewed) longer ago end now
 -- ARGV[5]  how long resent releases are recognised (ms)      ARGV[6]  budget (entries)
--- ARGV[7..10] affinity margin, ratio, group cap, group_by ("" = off): checked as sticky ttl
+-- ARGV[7..11] affinity margin, ratio, group cap, group_by, ejection ("" = off): as ARGV[3]
 -- Returns  { 1 if the holder was registered anew (it had been declared dead: its leases were
 --          reclaimed), leases of dead holders reclaimed, entries examined for that (the caller
 --          goes on with reap.lua while it is the budget), tokens of this holder's leases that
@@ -12,13 +12,18 @@
 -- Keeps    I1, I2: one call keeps every lease of the holder alive however long its requests
 --          run; a lease its holder forgot still ends after max lease age; the leases of
 --          holders that stopped sending heartbeats are reclaimed, at most `budget` per call.
--- Uses     lib/base, lib/holders, lib/leases
+--          I10, I11: ejections whose time is up end; a dead waiter passes its turn on.
+-- Uses     lib/base, lib/holders, lib/admission, lib/leases
 local holder, now = ARGV[1], now_ms()
 local budget = tonumber(ARGV[6])
 local known = redis.call('ZSCORE', P .. 'holders', holder)
 local refused = heartbeat(holder, now, tonumber(ARGV[2]), ARGV[3], ARGV[7], ARGV[8], ARGV[9],
-  ARGV[10])
+  ARGV[10], ARGV[11])
 if refused then return refused end
+-- Ejections whose time is up end even while nobody acquires, and a waiter whose process died
+-- passes its turn on (lib/leases.lua).
+if ARGV[11] ~= '' then admit().restore_due(now) end
+admit().wake_first()
 local owned = P .. 'owned:' .. holder
 local overdue = redis.call('ZRANGEBYSCORE', owned, '-inf', int(now - tonumber(ARGV[4])),
   'LIMIT', '0', int(budget))

@@ -16,7 +16,7 @@ for b = cur, cur - span, -1 do
   if pinned then break end
 end
 if pinned and redis.call('HEXISTS', P .. 'byreq', pinned .. SEP .. req) == 1 then return pinned end
-for _, zs in ipairs({ 'load', 'draining' }) do
+for _, zs in ipairs({ 'load', 'draining', 'off' }) do
   for _, id in ipairs(redis.call('ZRANGE', P .. zs, 0, -1)) do
     if redis.call('HEXISTS', P .. 'byreq', id .. SEP .. req) == 1 then return id end
   end

@@ -4,7 +4,7 @@
 -- ARGV[2]  how long resent releases are recognised (ms)
 -- Returns  { leases reclaimed, entries examined }.
 -- Keeps    I1, I2: each lease of a dead holder is reclaimed exactly once, its count with it.
--- Uses     lib/base, lib/leases
+-- Uses     lib/base, lib/admission, lib/leases
 local now = now_ms()
 rotate_ended(now, tonumber(ARGV[2]))
 local reclaimed, examined = reap(now, tonumber(ARGV[1]))

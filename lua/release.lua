@@ -1,7 +1,7 @@
 -- release.lua: end one or more leases, in order.
 -- KEYS[1]  key prefix "rr:{NAME}:"
 -- ARGV     quads: server id, request id or '', token or '', operation id (client-made,
---          unique per call, the same in a resent copy)
+--          unique per call, the same in a resent copy; "!"/"+" first: see Health)
 --          With a token, that lease ends (the token decides the replica). With a request id,
 --          the oldest lease of that request on that replica ends; with neither, the oldest
 --          lease on that replica. A token written "?token" is a hint with a request id: the
@@ -11,10 +11,13 @@
 --          release by request id or replica), 1 if an earlier copy of this call ended it (a
 --          resend after a timeout), 0 if there was none (released twice, reclaimed, unknown or
 --          removed replica: a harmless no-op, I6).
--- Keeps    I1 (count -1 with its lease, never below 0), I2, I6. Safe to resend: the
+-- Keeps    I1 (count -1 with its lease, never below 0), I2, I6, I10, I11. Safe to resend: the
 --          operation id is remembered in P.."ended" (rotated by heartbeat.lua), so a second
 --          copy reports the first one's result and never ends another lease.
--- Uses     lib/base, lib/leases
+-- Health   "!" first: the request failed, which counts toward ejecting its replica
+--          (lib/health.lua), once per lease; "+" first: it succeeded with ejection on, which
+--          ends the replica's failure streak.
+-- Uses     lib/base, lib/admission, lib/leases, lib/health
 local function release(id, req, token, op)
   local rec, toks
   if token ~= '' then
@@ -39,8 +42,9 @@ local function release(id, req, token, op)
     end
     if not token then return 0 end
   end
-  end_lease(token, rec, toks)
+  local sid = end_lease(token, rec, toks)
   redis.call('HSET', P .. 'ended', op, '1')
+  released(sid, op)
   return token
 end
 

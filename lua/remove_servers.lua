@@ -5,7 +5,7 @@
 -- Keeps    I6: no later acquire reaches them (their sticky sessions are re-balanced on their
 --          next turn) and a late release for them finds no lease: a no-op. I1: their leases
 --          and counts go together.
--- Uses     lib/base, lib/leases
+-- Uses     lib/base, lib/admission, lib/leases
 local removed = 0
 for _, id in ipairs(ARGV) do
   local held = P .. 'held:' .. id
@@ -13,6 +13,12 @@ for _, id in ipairs(ARGV) do
   redis.call('DEL', held)
   redis.call('ZREM', P .. 'weighted', id)
   removed = removed + redis.call('ZREM', P .. 'load', id) + redis.call('ZREM', P .. 'draining', id)
+    + redis.call('ZREM', P .. 'off', id)
+  redis.call('ZREM', P .. 'ejected', id)
+  for _, h in ipairs({ 'back', 'capacity', 'eject_why', 'fails', 'failures' }) do
+    redis.call('HDEL', P .. h, id)
+  end
+  redis.call('HDEL', P .. 'ejections', id, id .. SEP .. 't')
   redis.call('HDEL', P .. 'servers', id)
   redis.call('HDEL', P .. 'acquires', id)
   redis.call('HDEL', P .. 'sticky_hits', id)

@@ -15,7 +15,7 @@
 --          client's integer (never Lua's RNG, DESIGN.md). O(log N) while no replica drains;
 --          O(N) while one does (the draining ones must be skipped). full_determinism routes by
 --          rendezvous hashing, as the core does (I5).
--- Uses     lib/base, lib/holders, lib/picking, lib/acquiring
+-- Uses     lib/base, lib/holders, lib/admission, lib/picking, lib/acquiring
 local deterministic = ARGV[5] == '1'
 local W, L = P .. 'weighted', P .. 'load'
 

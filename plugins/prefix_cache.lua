@@ -24,7 +24,7 @@
 -- Returns  as acquire.lua. Error NOSERVERS as acquire.lua, with nothing written.
 -- Keeps    I1, I3, I6 (via acquire_all; holders outside P.."load" are never chosen), I4 (ties
 --          broken by client entropy, never Lua's RNG), I5 (under full_determinism), I7.
--- Uses     lib/base, lib/holders, lib/picking, lib/acquiring, prefix_cache_index
+-- Uses     lib/base, lib/holders, lib/admission, lib/picking, lib/acquiring, prefix_cache_index
 local deterministic = ARGV[5] == '1'
 local now = pc_us -- us, Redis clock (prefix_cache_index.lua)
 local cfg = nil

@@ -5,6 +5,7 @@ from .balancer import Lease, RedisLoadBalancer
 from .client import RouterClient
 from .errors import (
     ConfigMismatch,
+    NoCapacity,
     NoServersAvailable,
     RedisRouterError,
     RedisUnavailable,
@@ -20,6 +21,7 @@ __all__ = [
     "AsyncRequestLoadBalancer",
     "ConfigMismatch",
     "Lease",
+    "NoCapacity",
     "NoServersAvailable",
     "RedisLoadBalancer",
     "RedisRouterError",

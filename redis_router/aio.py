@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from typing import Any
 
 from redis import exceptions as rx
 
-from . import keeper, validation
+from . import health, keeper, validation
 from .coalesce import Coalescer
 from .connection import (
     TRANSIENT_BACKOFF,
@@ -25,8 +26,25 @@ from .connection import (
     sentinel_check_due,
     stale_pools,
 )
-from .core import Call, Grant, Op, T, build_core, fields_per_request, new_tokens
-from .errors import NoServersAvailable, RedisRouterError, RedisUnavailable
+from .core import (
+    EJECTION_SLACK,
+    WAIT_SLACK,
+    Call,
+    Grant,
+    Op,
+    T,
+    build_core,
+    fields_per_request,
+    new_token,
+    new_tokens,
+)
+from .errors import (
+    NoCapacity,
+    NoServersAvailable,
+    RedisRouterError,
+    RedisUnavailable,
+    ReplicaEjected,
+)
 from .policy import LeastLoaded, RoutingPolicy
 
 # Seconds close() waits for the cancelled keeper task to finish.
@@ -35,6 +53,8 @@ KEEPER_STOP_TIMEOUT = 5.0
 # A coalesced acquire: request id, the token of an earlier attempt (or None), the policy's
 # arguments for it.
 _AcquireItem = tuple[str, str | None, tuple[str, ...]]
+# A coalesced release: server id, request id, token, whether the request failed.
+_ReleaseItem = tuple[str, str | None, str | None, bool]
 
 
 class AsyncLease:
@@ -62,6 +82,16 @@ class AsyncLease:
         self._released = True
         release = self._balancer._release_one(self.server_id, self.request_id, self.token)
         return await asyncio.shield(release)
+
+    async def fail(self) -> bool:
+        """End the lease and report that its request failed (see Lease.fail)."""
+        if self._released:
+            return False
+        self._released = True
+        b = self._balancer
+        return await asyncio.shield(
+            b._release_one(self.server_id, self.request_id, self.token, True)
+        )
 
     def __repr__(self) -> str:
         return f"AsyncLease(server_id={self.server_id!r}, request_id={self.request_id!r})"
@@ -96,6 +126,12 @@ class AsyncRedisLoadBalancer:
         affinity_ratio: float | None = None,
         group_cap: int | None = None,
         group_by: str | None = None,
+        eject_after: int | None = None,
+        eject_for: float = health.EJECT_FOR,
+        eject_max: float = health.EJECT_MAX,
+        max_ejected: float = health.MAX_EJECTED,
+        ejected_sticky: str = "move",
+        wait_timeout: float = 0.0,
         coalesce: bool = True,
         **policy_options: Any,
     ) -> None:
@@ -117,13 +153,19 @@ class AsyncRedisLoadBalancer:
             affinity_ratio=affinity_ratio,
             group_cap=group_cap,
             group_by=group_by,
+            eject_after=eject_after,
+            eject_for=eject_for,
+            eject_max=eject_max,
+            max_ejected=max_ejected,
+            ejected_sticky=ejected_sticky,
+            wait_timeout=wait_timeout,
         )
         self._keeper: asyncio.Future[None] | None = None
         self._initial = validation.servers_mapping(servers) if servers is not None else {}
         self._client, self.url, self._owns_client = client_for(redis, asyncio=True)
         self._setup: asyncio.Future[None] | None = None
         self._acquires: Coalescer[_AcquireItem, Grant] | None = None
-        self._releases: Coalescer[tuple[str, str | None, str | None], bool] | None = None
+        self._releases: Coalescer[_ReleaseItem, bool] | None = None
         if coalesce:
             self._acquires = Coalescer(self._acquire_batch, self._release_orphan)
             self._releases = Coalescer(self._release_batch)
@@ -198,8 +240,78 @@ class AsyncRedisLoadBalancer:
         fields: Sequence[Mapping[str, Any]] | None = None,
         *,
         args: Sequence[tuple[str, ...]] | None = None,
+        ticket: str | None = None,
     ) -> list[Grant]:
-        return await self._run(self._core.acquire(request_ids, tokens, fields, args=args))
+        op = self._core.acquire(request_ids, tokens, fields, args=args, ticket=ticket)
+        return await self._run(op)
+
+    async def _admitted(
+        self,
+        first: Awaitable[list[Grant]],
+        request_ids: list[str],
+        tokens: list[str] | None,
+        fields: Sequence[Mapping[str, Any]] | None,
+        wait: float | None,
+    ) -> list[Grant]:
+        """``first`` (an acquire), and when it finds every eligible replica full, a wait in
+        the queue (see RedisLoadBalancer._wait_for_place) of at most ``wait`` seconds."""
+        core = self._core
+        budget = core.wait_timeout if wait is None else wait
+        deadline = time.monotonic() + budget
+        tokens = tokens or new_tokens(len(request_ids))
+        try:
+            return await first
+        except ReplicaEjected as exc:  # a sticky session waits for its replica's return
+            ejected: ReplicaEjected | None = exc
+        except NoCapacity:
+            if budget <= 0:
+                raise
+            ejected = None
+        while ejected is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ejected
+            await asyncio.sleep(min(left, ejected.seconds_left + EJECTION_SLACK))
+            try:
+                return await self._acquire(request_ids, tokens, fields)
+            except ReplicaEjected as exc:
+                ejected = exc
+            except NoCapacity:
+                break
+        ticket = new_token()
+        await self._run(core.enqueue(ticket, max(0.0, deadline - time.monotonic()) + WAIT_SLACK))
+        served = False
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise NoCapacity(
+                        f"balancer {core.name!r}: no replica could take the request within "
+                        f"{budget:g}s (every eligible one full or ejected); add replicas or "
+                        "wait longer"
+                    )
+                await self._block(core.wake_key(ticket), left)
+                try:
+                    grants = await self._acquire(request_ids, tokens, fields, ticket=ticket)
+                except ReplicaEjected:
+                    raise  # its replica was ejected meanwhile: it leaves the queue
+                except NoCapacity:
+                    continue
+                served = True
+                return grants
+        finally:
+            if not served:
+                with contextlib.suppress(RedisUnavailable):
+                    await asyncio.shield(self._run(core.leave(ticket)))
+
+    async def _block(self, key: str, timeout: float) -> None:
+        """BLPOP for at most ``timeout`` s (see RedisLoadBalancer._block)."""
+        try:
+            await self._client.blpop(
+                [key], timeout=round(min(timeout, health.BLOCK_MAX), 3) or 0.001
+            )
+        except (rx.ConnectionError, rx.TimeoutError):
+            await asyncio.sleep(min(timeout, TRANSIENT_BACKOFF[0]))
 
     # -- coalesced acquires and releases ---------------------------------------------------
 
@@ -240,16 +352,20 @@ class AsyncRedisLoadBalancer:
         _release_in_background(self._release_one(grant.server_id, grant.request_id, grant.token))
 
     async def _release_one(
-        self, server_id: str, request_id: str | None, token: str | None = None
+        self,
+        server_id: str,
+        request_id: str | None,
+        token: str | None = None,
+        failed: bool = False,
     ) -> bool:
         if self._releases is None:
-            return await self._run(self._core.release(server_id, request_id, token))
-        return await self._releases.submit((server_id, request_id, token))
+            return await self._run(self._core.release(server_id, request_id, token, failed))
+        return await self._releases.submit((server_id, request_id, token, failed))
 
-    async def _release_batch(
-        self, items: list[tuple[str, str | None, str | None]]
-    ) -> list[bool | BaseException]:
-        return list(await self._run(self._core.release_many(items)))
+    async def _release_batch(self, items: list[_ReleaseItem]) -> list[bool | BaseException]:
+        releases = [(sid, rid, token) for sid, rid, token, _ in items]
+        failed = [bad for *_, bad in items] if any(bad for *_, bad in items) else None
+        return list(await self._run(self._core.release_many(releases, failed)))
 
     # -- routing ---------------------------------------------------------------------------
 
@@ -262,34 +378,61 @@ class AsyncRedisLoadBalancer:
         """How new sessions are placed."""
         return self._core.policy
 
-    async def acquire_server(self, request_id: str, **fields: Any) -> tuple[str, Any]:
+    async def acquire_server(
+        self, request_id: str, *, wait: float | None = None, **fields: Any
+    ) -> tuple[str, Any]:
         """Route a request (see RedisLoadBalancer.acquire_server). Returns (id, handle)."""
-        g = await self._acquire_one(validation.request_id(request_id), None, fields)
+        g = await self._acquire_waiting(validation.request_id(request_id), None, fields, wait)
         return g.server_id, g.handle
 
-    async def acquire_many(self, request_ids: list[str], **fields: Any) -> list[tuple[str, Any]]:
+    async def acquire_many(
+        self, request_ids: list[str], *, wait: float | None = None, **fields: Any
+    ) -> list[tuple[str, Any]]:
         """Route many requests in one round trip (see RedisLoadBalancer.acquire_many)."""
         rids = validation.request_ids(request_ids)
-        grants = await self._acquire(rids, None, fields_per_request(len(rids), fields))
+        per = fields_per_request(len(rids), fields)
+        budget = None if wait is None else health.wait_seconds(wait)
+        grants = await self._admitted(self._acquire(rids, None, per), rids, None, per, budget)
         return [(g.server_id, g.handle) for g in grants]
 
     async def acquire(
-        self, request_id: str, *, token: str | None = None, **fields: Any
+        self,
+        request_id: str,
+        *,
+        token: str | None = None,
+        wait: float | None = None,
+        **fields: Any,
     ) -> AsyncLease:
-        """Route a request and return its lease (``token``: see RedisLoadBalancer.acquire)."""
+        """Route a request and return its lease (``token``, ``wait``: see
+        RedisLoadBalancer.acquire)."""
         rid = validation.request_id(request_id)
         checked = validation.token(token) if token is not None else None
-        return AsyncLease(self, await self._acquire_one(rid, checked, fields))
+        return AsyncLease(self, await self._acquire_waiting(rid, checked, fields, wait))
+
+    async def _acquire_waiting(
+        self, rid: str, token: str | None, fields: Mapping[str, Any], wait: float | None
+    ) -> Grant:
+        budget = None if wait is None else health.wait_seconds(wait)
+        first = self._acquire_one(rid, token, fields)
+        if budget == 0 or (budget is None and self._core.wait_timeout == 0):
+            return await first
+        tokens = [token] if token is not None else None
+        return (await self._admitted(_listed(first), [rid], tokens, [fields], budget))[0]
 
     @contextlib.asynccontextmanager
     async def lease(
-        self, request_id: str, *, renew_every: float | None = None, **fields: Any
+        self,
+        request_id: str,
+        *,
+        renew_every: float | None = None,
+        wait: float | None = None,
+        **fields: Any,
     ) -> AsyncIterator[AsyncLease]:
         """``async with lb.lease(rid) as lease:`` releases exactly once, also on cancellation
         (a lease granted while the task was being cancelled is released, not leaked)."""
         if renew_every is not None:
             validation.seconds(renew_every, "renew_every", validation.MAX_LEASE_TTL)
-        pending = asyncio.ensure_future(self.acquire(request_id, **fields))
+        pending = asyncio.ensure_future(self.acquire(request_id, wait=wait, **fields))
         try:
             held = await asyncio.shield(pending)
         except asyncio.CancelledError:
@@ -306,17 +449,26 @@ class AsyncRedisLoadBalancer:
             await held.release()
 
     async def release_server(
-        self, server_id: str, request_id: str | None = None, **fields: Any
+        self,
+        server_id: str,
+        request_id: str | None = None,
+        *,
+        failed: bool = False,
+        **fields: Any,
     ) -> bool:
-        """End the request's lease on that replica (without request_id: its oldest lease)."""
+        """End the request's lease on that replica (without request_id: its oldest lease);
+        ``failed=True``: the request failed (see RedisLoadBalancer.release_server)."""
         sid = validation.server_id(server_id)
         rid = validation.request_id(request_id) if request_id is not None else None
-        return await self._release_one(sid, rid)
+        return await self._release_one(sid, rid, None, validation.flag(failed, "failed"))
 
     # -- the pool --------------------------------------------------------------------------
 
-    async def add_servers(self, servers: Mapping[str, Any]) -> int:
-        return await self._run(self._core.add_servers(servers))
+    async def add_servers(
+        self, servers: Mapping[str, Any], *, capacity: Mapping[str, int] | None = None
+    ) -> int:
+        """See RedisLoadBalancer.add_servers."""
+        return await self._run(self._core.add_servers(servers, capacity))
 
     async def remove_servers(self, server_ids: list[str]) -> int:
         return await self._run(self._core.remove_servers(server_ids))
@@ -389,6 +541,10 @@ class AsyncRedisLoadBalancer:
 
     def __repr__(self) -> str:
         return f"AsyncRedisLoadBalancer(name={self.name!r}, redis={self.url!r})"
+
+
+async def _listed(one: Awaitable[Grant]) -> list[Grant]:
+    return [await one]
 
 
 def _succeeded(setup: asyncio.Future[None] | None) -> bool:

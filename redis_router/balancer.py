@@ -13,7 +13,7 @@ from typing import Any
 
 from redis import exceptions as rx
 
-from . import keeper, validation
+from . import health, keeper, validation
 from .connection import (
     TRANSIENT_BACKOFF,
     client_for,
@@ -21,8 +21,19 @@ from .connection import (
     sentinel_check_due,
     stale_pools,
 )
-from .core import Call, Grant, Op, T, build_core, fields_per_request
-from .errors import RedisUnavailable
+from .core import (
+    EJECTION_SLACK,
+    WAIT_SLACK,
+    Call,
+    Grant,
+    Op,
+    T,
+    build_core,
+    fields_per_request,
+    new_token,
+    new_tokens,
+)
+from .errors import NoCapacity, RedisUnavailable, ReplicaEjected
 from .policy import LeastLoaded, RoutingPolicy
 
 
@@ -54,6 +65,15 @@ class Lease:
         self._released = True
         b = self._balancer
         return b._run(b._core.release(self.server_id, self.request_id, self.token))
+
+    def fail(self) -> bool:
+        """End the lease and report that its request failed: ``eject_after`` failures in a
+        row eject the replica for every process. True if this call ended it."""
+        if self._released:
+            return False
+        self._released = True
+        b = self._balancer
+        return b._run(b._core.release(self.server_id, self.request_id, self.token, True))
 
     def __repr__(self) -> str:
         return f"Lease(server_id={self.server_id!r}, request_id={self.request_id!r})"
@@ -94,6 +114,12 @@ class RedisLoadBalancer:
         affinity_ratio: float | None = None,
         group_cap: int | None = None,
         group_by: str | None = None,
+        eject_after: int | None = None,
+        eject_for: float = health.EJECT_FOR,
+        eject_max: float = health.EJECT_MAX,
+        max_ejected: float = health.MAX_EJECTED,
+        ejected_sticky: str = "move",
+        wait_timeout: float = 0.0,
         **policy_options: Any,
     ) -> None:
         self._core, redis = build_core(
@@ -112,6 +138,12 @@ class RedisLoadBalancer:
             affinity_ratio=affinity_ratio,
             group_cap=group_cap,
             group_by=group_by,
+            eject_after=eject_after,
+            eject_for=eject_for,
+            eject_max=eject_max,
+            max_ejected=max_ejected,
+            ejected_sticky=ejected_sticky,
+            wait_timeout=wait_timeout,
         )
         checked = validation.servers_mapping(servers) if servers is not None else {}
         self._keeper: keeper.ThreadKeeper | None = None
@@ -174,8 +206,69 @@ class RedisLoadBalancer:
         request_ids: list[str],
         tokens: list[str] | None = None,
         fields: Sequence[Mapping[str, Any]] | None = None,
+        wait: float | None = None,
     ) -> list[Grant]:
-        return self._run(self._core.acquire(request_ids, tokens, fields))
+        core = self._core
+        budget = core.wait_timeout if wait is None else health.wait_seconds(wait)
+        deadline = time.monotonic() + budget
+        while True:
+            try:
+                return self._run(core.acquire(request_ids, tokens, fields))
+            except ReplicaEjected as exc:  # a sticky session waits for its replica's return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                time.sleep(min(left, exc.seconds_left + EJECTION_SLACK))
+            except NoCapacity:
+                if budget <= 0:
+                    raise
+                return self._wait_for_place(request_ids, tokens, fields, budget, deadline)
+
+    def _wait_for_place(
+        self,
+        request_ids: list[str],
+        tokens: list[str] | None,
+        fields: Sequence[Mapping[str, Any]] | None,
+        budget: float,
+        deadline: float,
+    ) -> list[Grant]:
+        """Wait in the balancer's queue (FIFO across processes) until a replica takes the
+        requests: woken by a script's push to this waiter's key, which BLPOP blocks on."""
+        core = self._core
+        tokens = tokens or new_tokens(len(request_ids))
+        ticket = new_token()
+        self._run(core.enqueue(ticket, max(0.0, deadline - time.monotonic()) + WAIT_SLACK))
+        served = False
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise NoCapacity(
+                        f"balancer {core.name!r}: no replica could take the request within "
+                        f"{budget:g}s (every eligible one full or ejected); add replicas or "
+                        "wait longer"
+                    )
+                self._block(core.wake_key(ticket), left)
+                try:
+                    grants = self._run(core.acquire(request_ids, tokens, fields, ticket=ticket))
+                except ReplicaEjected:
+                    raise  # its replica was ejected meanwhile: it leaves the queue
+                except NoCapacity:
+                    continue
+                served = True
+                return grants
+        finally:
+            if not served:
+                with contextlib.suppress(RedisUnavailable):
+                    self._run(core.leave(ticket))
+
+    def _block(self, key: str, timeout: float) -> None:
+        """BLPOP for at most ``timeout`` s (at most BLOCK_MAX s: within the socket timeout; a
+        wake lost in a failover is made up for by the next try)."""
+        try:
+            self._client.blpop([key], timeout=round(min(timeout, health.BLOCK_MAX), 3) or 0.001)
+        except (rx.ConnectionError, rx.TimeoutError):
+            time.sleep(min(timeout, TRANSIENT_BACKOFF[0]))
 
     def _run(self, op: Op[T]) -> T:
         try:
@@ -197,30 +290,51 @@ class RedisLoadBalancer:
         """How new sessions are placed."""
         return self._core.policy
 
-    def acquire_server(self, request_id: str, **fields: Any) -> tuple[str, Any]:
+    def acquire_server(
+        self, request_id: str, *, wait: float | None = None, **fields: Any
+    ) -> tuple[str, Any]:
         """Route a request: its sticky replica, else where the policy places it (default: the
         least loaded). ``fields``: what the policy reads (``require_acquire_fields``).
-        Returns (id, handle)."""
-        g = self._acquire([validation.request_id(request_id)], None, [fields])[0]
+        ``wait``: seconds to wait for a place when every eligible replica is full (default
+        the balancer's ``wait_timeout``; 0 raises NoCapacity at once). Returns (id, handle)."""
+        rid = validation.request_id(request_id)
+        g = self._acquire([rid], None, [fields], _wait(wait))[0]
         return g.server_id, g.handle
 
-    def acquire_many(self, request_ids: list[str], **fields: Any) -> list[tuple[str, Any]]:
+    def acquire_many(
+        self, request_ids: list[str], *, wait: float | None = None, **fields: Any
+    ) -> list[tuple[str, Any]]:
         """Route many requests in one round trip, as if acquired one after another; each
-        field is a sequence with one value per request id (``prompt_ids=[...]``)."""
+        field is a sequence with one value per request id (``prompt_ids=[...]``). With
+        capacities, the batch is granted whole or not at all."""
         rids = validation.request_ids(request_ids)
-        grants = self._acquire(rids, None, fields_per_request(len(rids), fields))
+        per = fields_per_request(len(rids), fields)
+        grants = self._acquire(rids, None, per, _wait(wait))
         return [(g.server_id, g.handle) for g in grants]
 
-    def acquire(self, request_id: str, *, token: str | None = None, **fields: Any) -> Lease:
+    def acquire(
+        self,
+        request_id: str,
+        *,
+        token: str | None = None,
+        wait: float | None = None,
+        **fields: Any,
+    ) -> Lease:
         """Route a request and return its :class:`Lease`. Passing the token of an earlier,
-        failed attempt makes a retry safe: a lease already granted is returned, not doubled."""
+        failed attempt makes a retry safe: a lease already granted is returned, not doubled.
+        ``wait``: as acquire_server."""
         rid = validation.request_id(request_id)
         tokens = [validation.token(token)] if token is not None else None
-        return Lease(self, self._acquire([rid], tokens, [fields])[0])
+        return Lease(self, self._acquire([rid], tokens, [fields], _wait(wait))[0])
 
     @contextmanager
     def lease(
-        self, request_id: str, *, renew_every: float | None = None, **fields: Any
+        self,
+        request_id: str,
+        *,
+        renew_every: float | None = None,
+        wait: float | None = None,
+        **fields: Any,
     ) -> Iterator[Lease]:
         """``with lb.lease(rid) as lease:`` routes, yields the lease, releases it exactly once.
 
@@ -230,7 +344,7 @@ class RedisLoadBalancer:
         """
         if renew_every is not None:
             validation.seconds(renew_every, "renew_every", validation.MAX_LEASE_TTL)
-        held = self.acquire(request_id, **fields)
+        held = self.acquire(request_id, wait=wait, **fields)
         stop = threading.Event()
         renewer = None
         if renew_every is not None:
@@ -246,19 +360,31 @@ class RedisLoadBalancer:
                 renewer.join()
             held.release()
 
-    def release_server(self, server_id: str, request_id: str | None = None, **fields: Any) -> bool:
+    def release_server(
+        self,
+        server_id: str,
+        request_id: str | None = None,
+        *,
+        failed: bool = False,
+        **fields: Any,
+    ) -> bool:
         """End the request's lease on that replica (without request_id: its oldest lease).
         Releasing twice, or for an unknown or removed replica, is a no-op that returns False;
-        a copy resent after a timeout reports the first one's result and ends nothing else."""
+        a copy resent after a timeout reports the first one's result and ends nothing else.
+        ``failed=True``: the request failed (passive health, see ``Lease.fail``)."""
         sid = validation.server_id(server_id)
         rid = validation.request_id(request_id) if request_id is not None else None
-        return self._run(self._core.release(sid, rid))
+        return self._run(self._core.release(sid, rid, None, validation.flag(failed, "failed")))
 
     # -- the pool --------------------------------------------------------------------------
 
-    def add_servers(self, servers: Mapping[str, Any]) -> int:
-        """Register replicas; existing ones keep count and leases. Returns how many are new."""
-        return self._run(self._core.add_servers(servers))
+    def add_servers(
+        self, servers: Mapping[str, Any], *, capacity: Mapping[str, int] | None = None
+    ) -> int:
+        """Register replicas; existing ones keep count and leases. Returns how many are new.
+        A replica's capacity (requests it can hold; never exceeded) comes from ``capacity``
+        or its metadata's ``"capacity"`` key."""
+        return self._run(self._core.add_servers(servers, capacity))
 
     def remove_servers(self, server_ids: list[str]) -> int:
         """Take replicas out atomically: no acquire reaches them after this returns."""
@@ -350,3 +476,8 @@ def _renew_age(lease: Lease, stop: threading.Event, every: float) -> None:
                 return
         except RedisUnavailable:
             continue  # try again next period; the lease has lease_ttl of slack
+
+
+def _wait(wait: float | None) -> float | None:
+    """A ``wait`` argument, checked before anything is sent."""
+    return None if wait is None else health.wait_seconds(wait)

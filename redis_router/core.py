@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
-from . import validation
-from .errors import ConfigMismatch, NoServersAvailable
+from . import health, validation
+from .errors import ConfigMismatch, NoCapacity, NoServersAvailable, ReplicaEjected
 from .policy import RoutingPolicy, make_policy
 from .scripts import Script, load
 
@@ -43,6 +43,12 @@ HINT = "?"
 # Sticky sessions live in time buckets of sticky_ttl / STICKY_BUCKETS: a session expires between
 # sticky_ttl and sticky_ttl * (1 + 1 / STICKY_BUCKETS) after its last turn.
 STICKY_BUCKETS = 4
+# A waiting acquire's ticket outlives its wait by this much (s), so its last try is never
+# dropped from the queue; a waiter that gives up leaves at once (leave.lua).
+WAIT_SLACK = 5.0
+# A sticky session waiting for its ejected replica tries again this long (s) after the
+# ejection's end, when an acquire has ended it.
+EJECTION_SLACK = 0.01
 # Tie-break entropy per request (bits); modulo bias over a few thousand ties is ~2**-36.
 RAND_BITS = 48
 
@@ -91,6 +97,12 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "affinity_ratio": None,
     "group_cap": None,
     "group_by": None,
+    "eject_after": None,
+    "eject_for": health.EJECT_FOR,
+    "eject_max": health.EJECT_MAX,
+    "max_ejected": health.MAX_EJECTED,
+    "ejected_sticky": "move",
+    "wait_timeout": 0.0,
 }
 # The acquire field naming a request's group (GRPO: the samples of one prompt).
 GROUP_FIELD = "group_id"
@@ -100,7 +112,14 @@ MAX_GROUP_BY = 16
 MAX_AFFINITY_MARGIN = 1_000_000
 MAX_AFFINITY_RATIO = 1_000_000.0
 # Fields of P.."config" every process must share, in the order the scripts send them.
-PINNED_SETTINGS = ("sticky_ttl_ms", "affinity_margin", "affinity_ratio", "group_cap", "group_by")
+PINNED_SETTINGS = (
+    "sticky_ttl_ms",
+    "affinity_margin",
+    "affinity_ratio",
+    "group_cap",
+    "group_by",
+    "ejection",
+)
 
 
 def build_core(
@@ -246,6 +265,12 @@ class BalancerCore:
         affinity_ratio: float | None = None,
         group_cap: int | None = None,
         group_by: str | None = None,
+        eject_after: int | None = None,
+        eject_for: float = health.EJECT_FOR,
+        eject_max: float = health.EJECT_MAX,
+        max_ejected: float = health.MAX_EJECTED,
+        ejected_sticky: str = "move",
+        wait_timeout: float = 0.0,
     ) -> None:
         self.name = validation.name(name)
         self.prefix = f"rr:{{{self.name}}}:"
@@ -282,6 +307,15 @@ class BalancerCore:
             str(self.group_cap) if on and self.group_cap is not None else "",
             self.group_by if on and self.group_by is not None else "",
         )
+        # Passive health, pinned for every process ("" = off): lib/health.lua.
+        self.ejection = health.ejection_setting(
+            eject_after, eject_for, eject_max, max_ejected, ejected_sticky
+        )
+        self.ejected_sticky = ejected_sticky
+        self.eject_after, self.eject_for = eject_after, float(eject_for)
+        self.eject_max, self.max_ejected = float(eject_max), float(max_ejected)
+        # How long an acquire waits for a full pool by default (0: NoCapacity at once).
+        self.wait_timeout = health.wait_seconds(wait_timeout, "wait_timeout")
         self.lease_ms = round(self.lease_ttl * 1000)
         self.max_age_ms = round(self.max_lease_age * 1000)
         # The background keeper's period (s): a live holder's deadline never comes closer than
@@ -320,6 +354,8 @@ class BalancerCore:
             "1" if self.full_determinism else "0",
             self.holder,
             *self.routing,
+            self.ejection,
+            "",  # waiting ticket: none
         )
 
     # -- replies ---------------------------------------------------------------------------
@@ -330,6 +366,23 @@ class BalancerCore:
         if text.startswith("CONFIGMISMATCH"):
             _, field, *value = text.split()
             return self.config_mismatch(field, value[0] if value else "")
+        if text.startswith("EJECTED"):
+            _, left, sid = text.split(" ", 2)  # a server id may hold spaces: it comes last
+            seconds = max(0.0, int(left) / 1000)
+            return ReplicaEjected(
+                f"balancer {self.name!r}: the session's replica {sid!r} is ejected (failing) "
+                f"for {seconds:.1f}s more, and ejected_sticky='wait' keeps sessions on their "
+                "replica; wait longer (wait=seconds), or use ejected_sticky='move'",
+                sid,
+                seconds,
+            )
+        if text.startswith("NOCAPACITY"):
+            return NoCapacity(
+                f"balancer {self.name!r}: every replica that could take the request is full "
+                "(its declared capacity reached) or ejected, or earlier requests are waiting "
+                "for one; wait for a place (wait=seconds, or the balancer's wait_timeout), "
+                "retry later, or add replicas"
+            )
         if text.startswith("NOSERVERS"):
             return NoServersAvailable(
                 f"balancer {self.name!r}: no replica is accepting new sessions: the pool is empty "
@@ -358,11 +411,14 @@ class BalancerCore:
 
     def settings(self) -> dict[str, str]:
         """The values this process pins in P.."config" ("" = off), by field."""
-        return dict(zip(PINNED_SETTINGS, (str(self.sticky_ms), *self.routing), strict=True))
+        values = (str(self.sticky_ms), *self.routing, self.ejection)
+        return dict(zip(PINNED_SETTINGS, values, strict=True))
 
     def config_mismatch(self, field: str, pinned: str) -> ConfigMismatch:
         mine = self.settings().get(field, "")
-        if field == "sticky_ttl_ms":
+        if field == "ejection":
+            what, theirs = health.describe(mine), health.describe(pinned)
+        elif field == "sticky_ttl_ms":
             what = f"sticky_ttl={self.sticky_ttl:g}s"
             theirs = f"{int(pinned) / 1000:g}s" if pinned.isdigit() else repr(pinned)
         else:
@@ -394,12 +450,15 @@ class BalancerCore:
         fields: Sequence[Mapping[str, Any]] | None = None,
         *,
         args: Sequence[tuple[str, ...]] | None = None,
+        ticket: str | None = None,
     ) -> Op[list[Grant]]:
         """Route requests through the policy's script; ``fields`` (one mapping per request)
         become its per-request arguments, checked before anything is sent (``args``: those
-        arguments, already made by :meth:`request_args`)."""
+        arguments, already made by :meth:`request_args`). ``ticket``: the waiting ticket
+        this call serves (see :meth:`enqueue`)."""
         self.on_acquire()
         script, rand, policy = self._acquire, self._getrandbits, self.policy
+        head = self._acquire_head if ticket is None else (*self._acquire_head[:-1], ticket)
         n = len(request_ids)
         if fields is not None and len(fields) != n:
             raise ValueError(f"got {len(fields)} field sets for {n} request ids; give one each")
@@ -412,14 +471,14 @@ class BalancerCore:
             args = [self.request_args(rid, f) for rid, f in zip(request_ids, given, strict=True)]
         if n == 1 and args is None and (tokens is None or len(tokens) == 1):
             token = tokens[0] if tokens else new_token()  # the common case, without loops
-            argv = (*self._acquire_head, request_ids[0], token, str(rand(RAND_BITS)), "")
+            argv = (*head, request_ids[0], token, str(rand(RAND_BITS)), "")
             sid, meta, how = yield Call(script, argv)
             sid = _str(sid)
             self.held[token] = time.monotonic()
             self.latest[(sid, request_ids[0])] = token
             return [Grant(sid, self.handle(sid, meta), request_ids[0], token, how == 1)]
         tokens = tokens or new_tokens(n)
-        flat: list[Any] = list(self._acquire_head)
+        flat: list[Any] = list(head)
         if args is None:
             for rid, token in zip(request_ids, tokens, strict=True):
                 flat += (rid, token, str(rand(RAND_BITS)), "")
@@ -468,18 +527,35 @@ class BalancerCore:
             fields = (*fields, GROUP_FIELD)
         return fields
 
-    def release(self, server_id: str, request_id: str | None, token: str | None = None) -> Op[bool]:
-        return (yield from self.release_many([(server_id, request_id, token)]))[0]
+    def release(
+        self,
+        server_id: str,
+        request_id: str | None,
+        token: str | None = None,
+        failed: bool = False,
+    ) -> Op[bool]:
+        return (yield from self.release_many([(server_id, request_id, token)], [failed]))[0]
 
-    def release_many(self, releases: list[tuple[str, str | None, str | None]]) -> Op[list[bool]]:
+    def release_many(
+        self,
+        releases: Sequence[tuple[str, str | None, str | None]],
+        failed: Sequence[bool] | None = None,
+    ) -> Op[list[bool]]:
         """End leases in order, in one call: (server id, request id, token) each, as release.
         Each gets an operation id, made here, before the first send: a copy resent after a
-        timeout is recognised by it, reports the first copy's result and ends nothing more."""
+        timeout is recognised by it, reports the first copy's result and ends nothing more.
+        ``failed`` (one flag per release): the request failed, which counts toward ejecting
+        its replica (passive health); any other release clears the replica's streak."""
         flat: list[str] = []
         held, latest = self.held, self.latest
-        for (server_id, request_id, token), op in zip(
-            releases, new_operations(len(releases)), strict=True
-        ):
+        ops = new_operations(len(releases))
+        if failed is not None or self.ejection:
+            # "!": the request failed; "+": it succeeded and ends a failure streak (only
+            # with ejection on: off, no streak exists and a release costs no health call).
+            ok = "+" if self.ejection else ""
+            bad = failed or [False] * len(ops)
+            ops = [("!" if b else ok) + op for op, b in zip(ops, bad, strict=True)]
+        for (server_id, request_id, token), op in zip(releases, ops, strict=True):
             if request_id:
                 mine = latest.pop((server_id, request_id), None)
                 if token is None and mine is not None:
@@ -537,22 +613,56 @@ class BalancerCore:
                 RESEND_WINDOW_MS,
                 REAP_CHUNK,
                 *self.routing,
+                self.ejection,
             ),
         )
         if int(examined) >= REAP_CHUNK:
             reclaimed = int(reclaimed) + (yield from self.reap())
         return Heartbeat(anew == 1, int(reclaimed), [_str(t) for t in overdue])
 
+    def enqueue(self, ticket: str, wait: float) -> Op[int]:
+        """Queue a waiting acquire (FIFO across processes) for at most ``wait`` seconds;
+        returns how many wait before it. Its process then blocks on :meth:`wake_key`."""
+        return int((yield Call(load("enqueue"), (ticket, self.holder, round(wait * 1000)))))
+
+    def leave(self, ticket: str) -> Op[bool]:
+        """A waiting acquire gives up: its ticket leaves the queue (a wake passes on)."""
+        return bool((yield Call(load("leave"), (ticket,))) == 1)
+
+    def wake_key(self, ticket: str) -> str:
+        """The list a waiting acquire blocks on (BLPOP); a script pushes to it to wake it."""
+        return f"{self.prefix}wake:{ticket}"
+
+    def report(self, outcomes: Sequence[tuple[str, bool, str]]) -> Op[dict[str, str]]:
+        """Feed health probe outcomes (server id, healthy, why) to passive health: the same
+        streaks and ejections as failed requests. Returns each pool member's state."""
+        flat: list[str] = []
+        for sid, ok, why in outcomes:
+            flat += (validation.server_id(sid), "1" if ok else "0", why[:200])
+        if not flat:
+            return {}
+        raw = yield Call(load("report"), tuple(flat))
+        return {_str(raw[i]): _str(raw[i + 1]) for i in range(0, len(raw), 2)}
+
     def retire(self) -> Op[None]:
         """Declare this holder dead now: its leases are reclaimed by the next acquire, reap or
         heartbeat of any process (a closed balancer can no longer keep them alive)."""
         yield Call(load("retire"), (self.holder,))
 
-    def add_servers(self, servers: Mapping[str, Any]) -> Op[int]:
+    def add_servers(
+        self, servers: Mapping[str, Any], capacity: Mapping[str, int] | None = None
+    ) -> Op[int]:
+        """Register replicas; a replica's capacity comes from ``capacity`` or its metadata's
+        ``"capacity"`` key (none: no limit, and a capacity declared before is lifted)."""
         checked = validation.servers_mapping(servers)
+        caps = health.capacities(checked, capacity)
         if not checked:
             return 0
-        args = [x for sid, value in checked.items() for x in (sid, _meta_json(value))]
+        args = [
+            x
+            for sid, value in checked.items()
+            for x in (sid, _meta_json(value), str(caps.get(sid, "")))
+        ]
         added = yield Call(load("add_servers"), tuple(args))
         self.handles.update(checked)
         return int(added)
@@ -624,9 +734,14 @@ class BalancerCore:
         return {_str(raw[i]): int(float(raw[i + 1])) for i in range(0, len(raw), 2)}
 
     def status(self) -> Op[dict[str, Any]]:
-        sessions, _now, rows, holders = yield Call(load("status"), (self.width_ms, self.span))
+        sessions, now, rows, holders, waiting = yield Call(
+            load("status"), (self.width_ms, self.span)
+        )
         replicas: dict[str, dict[str, Any]] = {}
-        for sid, inflight, draining, live, sticky, acquires, hits, reclaimed, meta, repins in rows:
+        for row in rows:
+            sid, inflight, draining, live, sticky, acquires, hits, reclaimed, meta, repins = row[
+                :10
+            ]
             sid = _str(sid)
             replicas[sid] = {
                 "inflight": int(inflight),
@@ -638,6 +753,7 @@ class BalancerCore:
                 "reclaimed": int(reclaimed),
                 "repins": int(repins),
                 "metadata": json.loads(_str(meta)) if meta is not None else None,
+                **health.replica_status(row[10:], int(now), int(inflight)),
             }
         return {
             "name": self.name,
@@ -659,5 +775,15 @@ class BalancerCore:
             "holders": dict(
                 zip(("live", "dead", "awaiting_reclaim"), map(int, holders), strict=True)
             ),
+            "ejection": health.ejection_status(
+                self.eject_after,
+                self.eject_for,
+                self.eject_max,
+                self.max_ejected,
+                self.ejected_sticky,
+            ),
+            "ejected_servers": sorted(s for s, r in replicas.items() if r["ejected_until"]),
+            "full_servers": sorted(s for s, r in replicas.items() if r["full"]),
+            "waiting": health.waiting_status(waiting),
             "replicas": replicas,
         }

@@ -14,6 +14,24 @@ class NoServersAvailable(RedisRouterError, RuntimeError):
     """
 
 
+class NoCapacity(NoServersAvailable):
+    """Every replica that could take the request is full (its declared capacity reached) or
+    ejected, or earlier requests are waiting for a place and go first; raised at once, or
+    when an acquire's wait ran out. A NoServersAvailable, so callers that handle an empty
+    pool handle this too."""
+
+
+class ReplicaEjected(NoCapacity):
+    """A sticky session's replica is ejected and the balancer's ``ejected_sticky="wait"``
+    keeps the session there: raised at once, or when the acquire's wait ran out before the
+    ejection ended. ``server_id`` is the replica, ``seconds_left`` how long its ejection
+    still lasts."""
+
+    def __init__(self, message: str, server_id: str = "", seconds_left: float = 0.0) -> None:
+        super().__init__(message)
+        self.server_id, self.seconds_left = server_id, seconds_left
+
+
 class RedisUnavailable(RedisRouterError, ConnectionError):
     """Redis could not be reached or answered too late. The message names the URL, never its
     password. Calls fail fast with this during an outage and work again once Redis is back."""

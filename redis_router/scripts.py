@@ -37,6 +37,9 @@ NAMES = (
     "forget",
     "owner",
     "bump",
+    "enqueue",
+    "leave",
+    "report",
 )
 
 

@@ -79,7 +79,7 @@ WORKLOADS = ("multi-turn", "grpo", "system", "mix")
 _RANDOM_LUA = """
 -- The simulator's random router: uniform over the replicas taking new sessions (client
 -- entropy in ARGV), with the core's leases and stickiness (acquire_all).
--- Uses     lib/base, lib/holders, lib/picking, lib/acquiring
+-- Uses     lib/base, lib/holders, lib/admission, lib/picking, lib/acquiring
 return acquire_all(OWN, {
   choose = function(i)
     local n = redis.call('ZCARD', P .. 'load')

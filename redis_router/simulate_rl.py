@@ -198,7 +198,7 @@ def run_row(url: str, workload: str, row: str, router: str, opts: dict[str, Any]
                     s.epoch += 1  # a new id: placed on the least loaded, sticky from there
                 rid = f"{s.rid}#{s.epoch}" if s.epoch else s.rid
                 prompt = [*s.context, *_tokens(s.prompt if turn == 0 else rid, turn, new)]
-                fields = {"prompt_ids": prompt} if wants_prompt else {}
+                fields: dict[str, Any] = {"prompt_ids": prompt} if wants_prompt else {}
                 rep, _ = lb.acquire_server(rid, **fields)
                 cache = replicas[rep]
                 key = s.prompt if workload == "grpo" and turn == 0 else s.rid

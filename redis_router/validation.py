@@ -101,3 +101,9 @@ def seconds(value: object, arg: str, maximum: float = MAX_TTL, minimum: float = 
             f"{arg} must be a number of seconds from {minimum:g} to {maximum:g}, got {value!r}"
         )
     return float(value)
+
+
+def flag(value: object, arg: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{arg} must be a bool, got {type(value).__name__}")
+    return value

@@ -35,7 +35,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from redis_router import AsyncRedisLoadBalancer, NoServersAvailable, RedisLoadBalancer
+from redis_router import AsyncRedisLoadBalancer, NoCapacity, NoServersAvailable, RedisLoadBalancer
 from redis_router.core import new_token
 from redis_router.local_server import LocalServer, first_server_binary
 from redis_router.plugins.least_tokens import AsyncLeastTokensRouter, LeastTokensRouter
@@ -46,7 +46,7 @@ from redis_router.plugins.prefix_cache import (
 )
 
 from . import invariants
-from .model import Model, NoServers, PrefixPolicy, Prompt
+from .model import EJECT_AFTER, MAX_EJECTED, Model, NoServers, PrefixPolicy, Prompt
 
 LEASE_TTL = 0.5
 MARGIN = 0.02  # slack (s) around a dead holder's deadline: the ms clock and the round trip
@@ -105,6 +105,9 @@ class Stats:
     drops: int = 0  # connections closed between calls
     kills: int = 0  # connections killed while a command waited behind a stall
     batches: int = 0  # coalesced gathers (asyncio machine)
+    ejections: int = 0  # replicas ejected by failed requests
+    full: int = 0  # acquires refused with NoCapacity
+    capped: int = 0  # grants made while some replica declared a capacity
 
     def line(self) -> str:
         return (
@@ -113,7 +116,8 @@ class Stats:
             f"{self.reclaims} reclaims, {self.pauses} pauses past lease_ttl, {self.stalls} "
             f"calls under a stall past the client timeout ({self.resent} resent), "
             f"{self.kills} connections killed while their command waited, {self.drops} "
-            f"dropped between calls, {self.batches} coalesced gathers"
+            f"dropped between calls, {self.batches} coalesced gathers; {self.ejections} "
+            f"ejections, {self.capped} grants under capacities, {self.full} refused full"
         )
 
 
@@ -283,7 +287,16 @@ class BalancerMachine(RuleBasedStateMachine):
 
     def new_balancer(self, redis_: Any, *, asyncio: bool = False) -> Any:
         """A balancer of this machine's router (``asyncio``: its asyncio twin, coalescing)."""
-        kw: dict[str, Any] = {"redis": redis_, "name": self.name, "lease_ttl": LEASE_TTL}
+        kw: dict[str, Any] = {
+            "redis": redis_,
+            "name": self.name,
+            "lease_ttl": LEASE_TTL,
+            # Failed releases eject; an ejection outlasts the run (only removal ends it).
+            "eject_after": EJECT_AFTER,
+            "eject_for": 3600.0,
+            "eject_max": 3600.0,
+            "max_ejected": MAX_EJECTED,
+        }
         if self.router == "least_tokens":
             return (AsyncLeastTokensRouter if asyncio else LeastTokensRouter)(**kw)
         if self.router == "prefix_cache":
@@ -407,6 +420,8 @@ class BalancerMachine(RuleBasedStateMachine):
         tokens = [t for p in dead for t in self.model.tokens_of(p.holder)]
         self.model.limbo |= set(tokens)
         how = ("reap", "heartbeat", "acquire", "keepers")[self.stats.reclaims % 4]
+        if how == "acquire" and self.model.capacity:
+            how = "reap"  # whether a replica is full must not depend on the keepers' timing
         self.stats.reclaims += 1
         live = self.proc(self.stats.reclaims, patient=True)
         if how == "keepers" and not any(p.beating() for p in self.procs):
@@ -494,10 +509,13 @@ class BalancerMachine(RuleBasedStateMachine):
         run = call or (lambda f: self._call(f))
         try:
             self.model.check_batch(requests)
-        except NoServers:
-            with pytest.raises(NoServersAvailable):
+        except NoServers as refused:
+            with pytest.raises(NoCapacity if refused.capacity else NoServersAvailable) as got:
                 run(send)
+            assert isinstance(got.value, NoCapacity) == refused.capacity
+            self.stats.full += refused.capacity
             return
+        self.stats.capped += bool(self.model.capacity) * len(rids)
         grants, t0, t1 = run(send)
         for (rid, token), g, prompt in zip(requests, grants, prompts, strict=True):
             allowed, how = self.model.destination(rid, token, prompt)
@@ -562,6 +580,32 @@ class BalancerMachine(RuleBasedStateMachine):
         done = self._call(p.run, p.lb._core.release(sid, rid, token))[0]
         assert done == self.model.release_token(token)
         self.gone.append(token)
+
+    @rule(who=st.integers(0, 7), pick=st.integers(0, 255))
+    def a_request_fails(self, who: int, pick: int) -> None:
+        self._ready()
+        token = _pick(list(self.model.leases) + self.gone[-3:], pick)
+        if token is None:
+            return
+        lease = self.model.leases.get(token)
+        sid, rid = (lease.server_id, lease.request_id) if lease else ("s0", "r0")
+        p = self.proc(who)
+        ejected = len(self.model.ejected)
+        done = self._call(p.run, p.lb._core.release(sid, rid, token, True))[0]
+        assert done == self.model.release_token(token, False)
+        self.stats.ejections += len(self.model.ejected) - ejected
+        self.gone.append(token)
+
+    @rule(
+        who=st.integers(0, 7),
+        ids=st.lists(st.sampled_from(SERVERS), min_size=1, max_size=2),
+        cap=st.integers(1, 3),
+    )
+    def declare_capacity(self, who: int, ids: list[str], cap: int) -> None:
+        self._ready()
+        p = self.proc(who, patient=True)
+        op = p.lb._core.add_servers(dict.fromkeys(ids), dict.fromkeys(ids, cap))
+        assert self._call(p.run, op)[0] == self.model.add(ids, cap)
 
     @rule(who=st.integers(0, 7), sid=st.sampled_from(SERVERS), rid=st.sampled_from(REQUESTS))
     def release_by_request(self, who: int, sid: str, rid: str) -> None:
@@ -800,7 +844,13 @@ class BalancerMachine(RuleBasedStateMachine):
         self.check_router_state()
 
     def check_router_state(self) -> None:
-        """The router's own keys against the model."""
+        """The router's own keys against the model: health and admission, then the
+        policy's."""
+        caps = self.r.hgetall(self.p + "capacity")
+        assert {s: int(c) for s, c in caps.items()} == self.model.capacity
+        assert set(self.r.zrange(self.p + "ejected", 0, -1)) == self.model.ejected
+        fails = self.r.hgetall(self.p + "fails")
+        assert {s: int(n) for s, n in fails.items() if int(n)} == self.model.fails
         if self.router == "least_tokens":
             got = self.r.zrange(self.p + "weighted", 0, -1, withscores=True)
             assert {s: int(w) for s, w in got} == self.model.weights()

@@ -18,7 +18,7 @@ def prefix(name: str) -> str:
 _SNAPSHOT = """
 local P = KEYS[1]
 local pool = {}
-for _, zs in ipairs({'load', 'draining'}) do
+for _, zs in ipairs({'load', 'draining', 'off'}) do
   local ids = redis.call('ZRANGE', P .. zs, 0, -1, 'WITHSCORES')
   for i = 1, #ids, 2 do pool[#pool + 1] = {zs, ids[i], ids[i + 1]} end
 end
@@ -33,7 +33,8 @@ for _, key in ipairs(redis.call('KEYS', P .. 'owned:*')) do
 end
 return {pool, held, redis.call('HKEYS', P .. 'servers'), redis.call('HGETALL', P .. 'leases'),
         redis.call('HGETALL', P .. 'byreq'), redis.call('KEYS', P .. 'held:*'), holders, owned,
-        redis.call('ZRANGE', P .. 'weighted', 0, -1, 'WITHSCORES')}
+        redis.call('ZRANGE', P .. 'weighted', 0, -1, 'WITHSCORES'),
+        redis.call('HGETALL', P .. 'capacity'), redis.call('ZRANGE', P .. 'ejected', 0, -1)}
 """
 
 
@@ -47,11 +48,21 @@ def check(r: redis.Redis, name: str) -> dict[str, int]:
     snapshot of the balancer's keys; return the counts."""
     p = prefix(name)
     snap = r.eval(_SNAPSHOT, 1, p)
-    pool, held_lists, servers, flat_leases, flat_byreq, held_keys, holders, owned_rows, wflat = snap
+    pool, held_lists, servers, flat_leases, flat_byreq, held_keys, holders, owned_rows, wflat = (
+        snap[:9]
+    )
+    caps = {sid: int(c) for sid, c in _pairs(snap[9]).items()}
+    ejected = set(snap[10])
     counts: dict[str, int] = {}
-    for _zs, sid, score in pool:
-        assert sid not in counts, f"{sid!r} is both taking and draining"
+    for zs, sid, score in pool:
+        assert sid not in counts, f"{sid!r} is in two of load, draining, off"
         counts[sid] = int(float(score))
+        # I10: a replica is off exactly while it is full or ejected (so no acquire reaches
+        # it; a count above capacity only follows a capacity lowered below it).
+        full = sid in caps and counts[sid] >= caps[sid]
+        assert (zs == "off") == (full or sid in ejected), f"{sid!r} in {zs}: full {full}"
+    assert set(caps) <= set(counts), "capacity of a replica not in the pool"
+    assert ejected <= set(counts), "ejection of a replica not in the pool"
     assert set(counts) == set(servers), "pool sorted sets disagree with servers"
     held = {sid: set(tokens) for (_zs, sid, _s), tokens in zip(pool, held_lists, strict=True)}
     leases, byreq = _pairs(flat_leases), _pairs(flat_byreq)

@@ -7,6 +7,11 @@ prefix-cache router the prefix index (block hash -> replicas it was sent to). Le
 expire by time: a lease ends when it is released, when its replica is removed, or when its
 holder is dead and someone reclaims it (``reclaim``).
 
+Health and admission: replicas may declare a capacity, and failed releases eject a replica
+(``EJECT_AFTER`` in a row, at most ``MAX_EJECTED`` of the pool; ejections outlast the run). A
+replica is "off" (takes no acquire, new or sticky) while it is ejected or holds its capacity;
+least loaded then compares count / capacity (an undeclared one as the largest declared).
+
 Where the real balancer breaks ties at random, the model returns the set of allowed answers
 instead of one answer. Leases in ``limbo`` (a dead holder's, which any call may be reclaiming
 concurrently) count as "maybe there": the allowed sets then hold every replica that could be
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 ROUTERS = ("core", "least_tokens", "prefix_cache")
 
@@ -54,8 +60,16 @@ class PrefixPolicy:
     record: bool = True
 
 
+EJECT_AFTER = 2  # failures in a row that eject a replica (the fuzz balancers' eject_after)
+MAX_EJECTED = 0.5
+
+
 class NoServers(Exception):
-    """The model's NoServersAvailable."""
+    """The model's NoServersAvailable; ``capacity``: its NoCapacity."""
+
+    def __init__(self, capacity: bool = False) -> None:
+        super().__init__(capacity)
+        self.capacity = capacity
 
 
 @dataclass
@@ -68,6 +82,9 @@ class Model:
     limbo: set[str] = field(default_factory=set)  # tokens that may be reclaimed any moment
     reclaimed: dict[str, int] = field(default_factory=dict)  # replica -> counter
     index: dict[str, set[str]] = field(default_factory=dict)  # prefix hash -> replicas
+    capacity: dict[str, int] = field(default_factory=dict)  # replica -> declared capacity
+    ejected: set[str] = field(default_factory=set)
+    fails: dict[str, int] = field(default_factory=dict)  # replica -> failures in a row
 
     def __post_init__(self) -> None:
         assert self.router in ROUTERS, self.router
@@ -99,8 +116,31 @@ class Model:
             lo[lease.server_id] -= lease.weight if weighted else 1
         return lo, hi
 
+    def off(self, sid: str) -> bool:
+        """Full or ejected: takes no acquire (counts are exact whenever capacities exist)."""
+        cap = self.capacity.get(sid)
+        return sid in self.ejected or (cap is not None and self.counts()[sid] >= cap)
+
+    def in_pool(self, sid: str | None) -> bool:
+        """In `load` or `draining`: where an acquire may count it."""
+        return sid is not None and sid in self.servers and not self.off(sid)
+
     def taking(self) -> list[str]:
-        return [s for s, draining in self.servers.items() if not draining]
+        return [s for s, draining in self.servers.items() if not draining and not self.off(s)]
+
+    def refusal(self) -> NoServers:
+        """NoCapacity while some replica is off, else NoServersAvailable."""
+        return NoServers(any(self.off(s) for s in self.servers))
+
+    def _relative_least(self, taking: list[str]) -> set[str]:
+        """Least count / capacity, exactly (an undeclared capacity counts as the largest
+        declared among the replicas taking new sessions)."""
+        assert not self.limbo, "capacities are never combined with leases in limbo"
+        counts = self.counts()
+        top = max([1, *(self.capacity[s] for s in taking if s in self.capacity)])
+        rel = {s: Fraction(counts[s], self.capacity.get(s, top)) for s in taking}
+        best = min(rel.values())
+        return {s for s in taking if rel[s] == best}
 
     def tokens_of(self, holder: str) -> list[str]:
         return [t for t, x in self.leases.items() if x.holder == holder]
@@ -113,15 +153,17 @@ class Model:
             assert token not in self.limbo, "the fuzz tests never retry a token in limbo"
             return {self.leases[token].server_id}, 2
         sid = self.sticky.get(request_id)
-        if sid is not None and sid in self.servers:
+        if self.in_pool(sid):
+            assert sid is not None
             return {sid}, 1
         taking = self.taking()
         if not taking:
-            raise NoServers
+            raise self.refusal()
         if self.router == "least_tokens":
             return _least(taking, *self._bounds(True)), 0
         lo, hi = self._bounds(False)
-        least = _least(taking, lo, hi)
+        # least_loaded (the core's, and prefix_cache's fallback) is relative to capacity.
+        least = self._relative_least(taking) if self.capacity else _least(taking, lo, hi)
         if self.router == "core" or not prompt.hashes:
             return least, 0
         holders = self._prefix_holders(prompt, set(taking))
@@ -156,9 +198,18 @@ class Model:
         return {mx - mn > p.balance_abs and mx > p.balance_rel * mn}
 
     def check_batch(self, requests: list[tuple[str, str]]) -> None:
-        """Raise NoServers if a batch is refused whole (before anything is written): no
-        replica takes new sessions and some request is neither a retry nor sticky to a
-        replica in the pool."""
+        """Raise NoServers if a batch is refused whole (before anything is written): with
+        capacities, more of its requests are not granted yet than there are free places in
+        the replicas taking new sessions (NoCapacity); or no replica takes new sessions and
+        some request is neither a retry nor sticky to a replica in the pool."""
+        if self.capacity and len(requests) > 1:
+            fresh = sum(token not in self.leases for _, token in requests)
+            counts = self.counts()
+            taking = self.taking()
+            if fresh and all(s in self.capacity for s in taking):
+                room = sum(self.capacity[s] - counts[s] for s in taking)
+                if room < fresh:
+                    raise NoServers(True)
         if self.taking():
             return
         for rid, token in requests:
@@ -187,9 +238,28 @@ class Model:
 
     # -- release ---------------------------------------------------------------------------
 
-    def release_token(self, token: str) -> bool:
+    def release_token(self, token: str, succeeded: bool | None = True) -> bool:
+        """A lease ends; ``succeeded``: its request's outcome (None: not a release, e.g. its
+        replica was removed). A success ends its replica's failure streak; a failure counts
+        toward ejecting it."""
         self.limbo.discard(token)
-        return self.leases.pop(token, None) is not None
+        lease = self.leases.pop(token, None)
+        if lease is None:
+            return False
+        sid = lease.server_id
+        if succeeded:
+            self.fails.pop(sid, None)
+        elif succeeded is False:
+            self.fails[sid] = self.fails.get(sid, 0) + 1
+            room = int(len(self.servers) * MAX_EJECTED + 1e-9)
+            if (
+                self.fails[sid] >= EJECT_AFTER
+                and sid not in self.ejected
+                and len(self.ejected) + 1 <= room
+            ):
+                self.ejected.add(sid)
+                del self.fails[sid]
+        return True
 
     def first_of_request(self, server_id: str, request_id: str) -> str | None:
         """The lease a release by request id ends: that request's oldest on that replica."""
@@ -221,10 +291,16 @@ class Model:
 
     # -- the pool --------------------------------------------------------------------------
 
-    def add(self, ids: list[str]) -> int:
+    def add(self, ids: list[str], capacity: int | None = None) -> int:
+        """Register ids; each gets ``capacity`` (None: a declared one is lifted)."""
         new = [s for s in dict.fromkeys(ids) if s not in self.servers]
         for s in new:
             self.servers[s] = False
+        for s in ids:
+            if capacity is None:
+                self.capacity.pop(s, None)
+            else:
+                self.capacity[s] = capacity
         return len(new)
 
     def remove(self, ids: list[str]) -> int:
@@ -235,7 +311,10 @@ class Model:
                 self.reclaimed.pop(s, None)
                 n += 1
                 for t in [t for t, x in self.leases.items() if x.server_id == s]:
-                    self.release_token(t)
+                    self.release_token(t, None)
+                self.capacity.pop(s, None)
+                self.ejected.discard(s)
+                self.fails.pop(s, None)
         return n
 
     def set_draining(self, ids: list[str], draining: bool) -> int:

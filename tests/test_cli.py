@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from redis_router import cli
+from redis_router import NoCapacity, cli
 
 from . import invariants
 
@@ -113,10 +113,11 @@ def test_status_table_shows_each_replica_as_the_library_sees_it(server, make_lb)
             r["reclaimed"],
             r["repins"],
         ]
-        assert json.loads(rows[sid][9]) == r["metadata"]
+        assert rows[sid][9] == "-"  # no capacity declared
+        assert json.loads(rows[sid][10]) == r["metadata"]
     assert rows["s3"][1] == "drained" and rows["s1"][1] == "draining"
     assert int(rows["TOTAL"][2]) == lb.get_total_inflight()
-    assert "2 active, 1 draining, 1 drained" in proc.stdout
+    assert "2 active, 0 full, 0 ejected, 1 draining, 1 drained" in proc.stdout
     assert "servers remove s3`" in proc.stdout  # what to do next with a drained replica
 
 
@@ -453,3 +454,34 @@ def test_global_options_work_after_the_subcommand(server, make_lb):
     proc = run_cli("status", "--json", "--redis", server.url, "--name", lb.name)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["balancer"] == lb.name
+
+
+def test_status_shows_full_and_ejected_replicas_and_waiting(server, make_lb):
+    lb = make_lb({"a": {"capacity": 1}, "b": None}, eject_after=1)
+    lb.drain_servers(["a"])
+    lb.acquire("on-b").fail()
+    lb.undrain_servers(["a"])
+    lb.acquire("fills-a")
+    with pytest.raises(NoCapacity):
+        lb.acquire("waits", wait=0.1)
+    proc = run_cli("--name", lb.name, "status", redis=server.url)
+    assert proc.returncode == 0, proc.stderr
+    rows = table_rows(proc.stdout)
+    assert rows["a"][1] == "full" and rows["a"][9] == "1"
+    assert rows["b"][1] == "ejected"
+    assert "ejected b until" in proc.stdout and "1 failed requests in a row" in proc.stdout
+    assert "ejection: eject_after=1, eject_for=30s, eject_max=300s" in proc.stdout
+    assert "0 served after waiting" in proc.stdout and "1 gave up" in proc.stdout
+    snap = json.loads(run_cli("--name", lb.name, "status", "--json", redis=server.url).stdout)
+    assert snap["replicas"]["b"]["ejected_why"] == "1 failed requests in a row"
+    assert snap["waiting"]["timed_out"] == 1
+
+
+def test_servers_add_declares_a_capacity(server, make_lb, r):
+    lb = make_lb({"a": None})
+    proc = run_cli("--name", lb.name, "servers", "add", "b", "--capacity", "2", redis=server.url)
+    assert proc.returncode == 0, proc.stderr
+    assert r.hget(invariants.prefix(lb.name) + "capacity", "b") == "2"
+    proc = run_cli("--name", lb.name, "servers", "add", "b", "--capacity", "0", redis=server.url)
+    assert proc.returncode == 1 and "capacity" in proc.stderr
+    assert r.hget(invariants.prefix(lb.name) + "capacity", "b") == "2"  # nothing changed

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -17,7 +19,12 @@ import redis.asyncio.cluster
 import redis.cluster
 from redis.crc import key_slot
 
-from redis_router import AsyncRedisLoadBalancer, NoServersAvailable, RedisLoadBalancer
+from redis_router import (
+    AsyncRedisLoadBalancer,
+    NoCapacity,
+    NoServersAvailable,
+    RedisLoadBalancer,
+)
 from redis_router.kv_events import BlockStored, KVIndex
 from redis_router.local_server import find_server_binaries
 
@@ -90,6 +97,34 @@ def test_every_operation_works_through_a_cluster_url(cluster: LocalCluster) -> N
         assert _keys_by_node(cluster, name) == [[], [], []]
         with pytest.raises(NoServersAvailable):
             lb.acquire_server("after-destroy")
+
+
+def test_capacity_ejection_and_waiting_work_through_a_cluster_url(
+    cluster: LocalCluster,
+) -> None:
+    name = _name()
+    with RedisLoadBalancer(
+        {"a": {"capacity": 1}, "b": None}, redis=cluster.url, name=name, eject_after=1
+    ) as lb:
+        lb.drain_servers(["a"])
+        lb.acquire("on-b").fail()  # b ejected for every worker
+        lb.undrain_servers(["a"])
+        assert lb.get_status()["ejected_servers"] == ["b"]
+        held = lb.acquire("fills-a")
+        with pytest.raises(NoCapacity):
+            lb.acquire("refused")
+        served: list[str] = []
+        waiter = threading.Thread(target=lambda: served.append(lb.acquire_server("w", wait=10)[0]))
+        waiter.start()
+        time.sleep(0.3)  # queued, blocked in BLPOP on a key of the balancer's slot
+        held.release()
+        waiter.join(timeout=10)
+        assert served == ["a"]
+        assert lb.get_status()["waiting"]["served"] == 1
+        with _owner(cluster, name) as r:
+            invariants.check(r, name)
+        assert lb.destroy() > 0
+        assert _keys_by_node(cluster, name) == [[], [], []]
 
 
 def test_all_keys_of_a_balancer_share_one_slot_on_one_node(cluster: LocalCluster) -> None:

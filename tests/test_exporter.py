@@ -13,8 +13,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from redis_router import NoCapacity
 from redis_router.local_server import LocalServer, first_server_binary
 
 from . import invariants
@@ -107,6 +109,26 @@ def test_scrape_shows_each_replica_as_the_library_sees_it(server, make_lb):
         assert again[("redis_router_acquires_total", "s0")] == status["s0"]["acquires"]
     assert running.proc.returncode == 0
     assert "Traceback" not in running.stderr
+
+
+def test_scrape_shows_capacity_ejections_and_waiting(server, make_lb):
+    lb = make_lb({"s0": {"capacity": 1}, "s1": None}, eject_after=1)
+    lb.drain_servers(["s0"])
+    lb.acquire("on-s1").fail()  # s1 ejected (1 of 2: within the share)
+    lb.undrain_servers(["s0"])
+    held = lb.acquire("fills-s0")
+    assert held.server_id == "s0"
+    with pytest.raises(NoCapacity):
+        lb.acquire("waits", wait=0.2)
+    with exporter(server.url, lb.name) as running:
+        got = scrape(running.url)
+    assert got[("redis_router_capacity", "s0")] == 1 and ("redis_router_capacity", "s1") not in got
+    assert got[("redis_router_ejected", "s1")] == 1
+    assert 0 < got[("redis_router_ejected_seconds_left", "s1")] <= 30
+    assert got[("redis_router_failures_total", "s1")] == 1
+    assert got[("redis_router_waiting", "")] == 0
+    assert got[("redis_router_max_wait_seconds", "")] == 0
+    assert running.proc.returncode == 0
 
 
 def test_exporter_waits_for_a_balancer_that_does_not_exist_yet(server, make_lb, r):

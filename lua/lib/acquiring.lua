@@ -15,6 +15,9 @@ end
 -- loaded one's by more than MARGIN requests and is above RATIO times it (taken as at least 1);
 -- both when both are set. Counted per replica left in P.."repins".
 local MARGIN, RATIO = nil, nil
+-- HOLD: ejected_sticky = 'wait' (the pinned ejection settings' last field): a sticky session
+-- whose replica is ejected is refused (EJECTED) instead of balanced anew, and waits for it.
+local HOLD = false
 
 -- True when the sticky replica `old` (in P.."load") is too far above the least loaded.
 local function overloaded(old)
@@ -117,9 +120,9 @@ local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
   if moved then stay = nil end
   if not (stay and redis.call('ZADD', LOAD, 'XX', 'INCR', '1', old)) then
     if not (stay and redis.call('ZADD', P .. 'draining', 'XX', 'INCR', '1', old)) then
-      if not LL.min and not load_peek() then
-        return redis.error_reply('NOSERVERS no replica is accepting new sessions')
-      end
+      local held = HOLD and old and admit().held(old, now)
+      if held then return held end
+      if not LL.min and not load_peek() then return admit().refused() end
       local g = not moved and ARGV[i + 3]
       if g == '' then g = nil end
       local grp = g and groups(cur, span, width, ttl)
@@ -132,6 +135,7 @@ local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
       end
     end
   end
+  if CAPS then admit().filled(id) end
   local at = int(now)
   redis.call('ZADD', P .. 'held:' .. id, at, token)
   redis.call('ZADD', P .. 'owned:' .. holder, at, token)
@@ -166,7 +170,8 @@ end
 -- ARGV[2] sticky bucket width (ms), ARGV[3] sticky ttl (ms), ARGV[4] buckets to search back,
 -- ARGV[5] router flag (core: 1 = full_determinism), ARGV[6] holder, ARGV[7] affinity margin,
 -- ARGV[8] affinity ratio ("" = off: a sticky session stays however loaded its replica is),
--- ARGV[9] group cap ("" = none), ARGV[10] group_by (only checked against the pinned one);
+-- ARGV[9] group cap ("" = none), ARGV[10] group_by (only checked against the pinned one),
+-- ARGV[11] ejection settings (pinned; lib/health.lua), ARGV[12] waiting ticket ("" = none);
 -- then `stride` arguments per request starting at ARGV[HEAD + 1]: request id, lease token,
 -- random integer, group id ("" = none), then the router's own from ARGV[i + OWN].
 -- `policy` is the routing policy's Lua side, a table of functions of the ARGV index i where a
@@ -176,8 +181,11 @@ end
 -- count is already +1; the lease records themselves are written when the whole batch is
 -- routed).
 -- Returns a flat array: per request, server id, JSON metadata, and 0 = balanced, 1 = sticky,
--- 2 = retry of a granted token; or the error NOSERVERS (CONFIGMISMATCH: this process's
--- sticky ttl is not the pinned one) before anything is written.
+-- 2 = retry of a granted token; or the error NOSERVERS or NOCAPACITY (refused; CONFIGMISMATCH:
+-- this process's pinned settings are not the pinned ones) before anything is written.
+-- Capacity: an acquire that fills a replica takes it off (filled), so no later pick, sticky
+-- or new, reaches it until a lease there ends; a batch's cached level (LL) and pool lookups
+-- forget it at once.
 -- The result and the final state are those of acquiring the requests one after another; the
 -- lookups are read up front (one HMGET per key) and the writes that commute are grouped per
 -- replica at the end, so a batch of K costs a few calls per request, not ~20.
@@ -191,12 +199,26 @@ local function acquire_all(stride, policy)
   -- in short calls of their own, so no acquire is slowed by another process's crash.
   local deadline = redis.call('ZSCORE', P .. 'holders', holder)
   if not deadline or tonumber(deadline) - now < lease_ms / 2 then
-    local refused = heartbeat(holder, now, lease_ms, ARGV[3], ARGV[7], ARGV[8], ARGV[9], ARGV[10])
-    if refused then return refused end
+    local mismatch = heartbeat(holder, now, lease_ms, ARGV[3], ARGV[7], ARGV[8], ARGV[9],
+      ARGV[10], ARGV[11])
+    if mismatch then return mismatch end
   end
   MARGIN, RATIO, CAP = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+  -- Health and admission (lib/admission.lua): free while no ejection is due, no replica declares
+  -- a capacity and nobody waits.
+  if ARGV[11] ~= '' then
+    HOLD = string.sub(ARGV[11], -5) == ' wait'
+    if redis.call('ZRANGEBYSCORE', P .. 'ejected', '-inf', int(now), 'LIMIT', '0', '1')[1] then
+      admit().restore_due(now)
+    end
+  end
+  if redis.call('EXISTS', P .. 'capacity', P .. 'waiters') > 0 then
+    local refusal = admit().admission(now, stride)
+    if refusal then return refusal end
+  end
   if #ARGV == HEAD + stride then
-    return acquire_one(HEAD + 1, policy, now, cur, holder, width, ttl, span)
+    local out = acquire_one(HEAD + 1, policy, now, cur, holder, width, ttl, span)
+    return TICKET and admit().served(out, now) or out
   end
 
   -- Read up front: the leases of the tokens (retries) and the sticky entries of the requests.
@@ -244,13 +266,19 @@ local function acquire_all(stride, policy)
     return zs
   end
 
+  -- A session held by its ejected replica (HOLD) refuses the whole batch, before any write.
+  if HOLD then
+    for j = 1, n do
+      local held = not recs[j] and sid[reqs[j]] and admit().held(sid[reqs[j]], now)
+      if held then return held end
+    end
+  end
+
   -- With no replica taking new sessions, refuse the whole batch unless each request is a
   -- retry or sticky to a pool member (a draining one), before anything is written.
   if not load_peek() then
     for j = 1, n do
-      if not recs[j] and not (sid[reqs[j]] and pool(sid[reqs[j]])) then
-        return redis.error_reply('NOSERVERS no replica is accepting new sessions')
-      end
+      if not recs[j] and not (sid[reqs[j]] and pool(sid[reqs[j]])) then return admit().refused() end
     end
   end
 
@@ -299,6 +327,7 @@ local function acquire_all(stride, policy)
       end
       local score = redis.call('ZINCRBY', zs, '1', id)
       if zs == LOAD then load_incremented(score, id) end
+      if CAPS and admit().filled(id) then member[id], LL.min = false, nil end
       local field = id .. SEP .. req
       granted_tok[token] = field
       lease_kv[nl + 1], lease_kv[nl + 2] = token, lease_record(policy, i, id, field, holder)
@@ -384,5 +413,5 @@ local function acquire_all(stride, policy)
       redis.call('PEXPIREAT', nkey, expire_at)
     end
   end
-  return out
+  return TICKET and admit().served(out, now) or out
 end

@@ -13,8 +13,9 @@
 --   P.."holders"        ZSET  holder -> deadline (ms): a holder (one balancer instance in one
 --                             process) is alive while its heartbeats keep the deadline ahead
 --   P.."owned:"..h      ZSET  lease token -> acquired or renewed at (ms): the leases of holder h
---   P.."ended"          ZSET  release key (a token or a client-made operation id) -> ended at
---                             (ms): a resent release finds its first copy's result here
+--   P.."ended"          HASH  client-made operation id of a release -> 1 (and "@since"), with
+--                             P.."ended:old" the generation before: a resent release finds
+--                             its first copy's result here (lib/leases.lua rotate_ended)
 --   P.."sticky:"..b     HASH  request id -> server id, sessions last seen in time bucket b
 --   P.."stickyn:"..b    HASH  server id -> sessions in bucket b (expires with it)
 --   P.."acquires", P.."sticky_hits", P.."reclaimed"   HASH  server id -> counter
@@ -25,7 +26,13 @@
 --                             groups last joined in time bucket b (expires as sticky:b does)
 --   P.."weighted"       ZSET  server id -> sum of the weights of its leases (0 unless a policy
 --                             weighs requests, e.g. by prompt tokens)
--- Invariants (docs/design.md): I1 ZSCORE load|draining id == ZCARD held:id after every script,
+--   P.."capacity"       HASH  server id -> requests it can hold (declared; absent = no limit)
+--   P.."off"            ZSET  server id -> in-flight count, replicas taking no acquire for now
+--                             (full or ejected); P.."back" HASH id -> 'load' | 'draining'
+--   P.."ejected", P.."eject_why", P.."fails", P.."ejections", P.."failures": lib/health.lua
+--   P.."waiters", P.."waiting", P.."wake:"..ticket, P.."waitseq", P.."waitstats": waiting
+--                             acquires (lib/leases.lua)
+-- Invariants (docs/design.md): I1 ZSCORE load|draining|off id == ZCARD held:id after every script,
 -- and ZSCORE weighted id == the sum of its leases' weights; I2 every lease is in its holder's
 -- owned set, every owned token is a lease, and a holder leaves P.."holders" only once it owns
 -- nothing, so no lease is ever out of reach of reaping.
@@ -35,10 +42,12 @@ local SEP = '\31'
 local LOAD = P .. 'load'
 -- ARGV[1..HEAD] of every acquire: lease ttl (ms), sticky bucket width (ms), sticky ttl (ms),
 -- buckets to search back, router flag, holder, affinity margin (in-flight requests, "" = off),
--- affinity ratio ("" = off), group cap (members, "" = none), group_by (pinned only).
+-- affinity ratio ("" = off), group cap (members, "" = none), group_by (pinned only),
+-- ejection settings (pinned, lib/health.lua; "" = off; ends in ' wait' for ejected_sticky =
+-- 'wait'), waiting ticket ("" = none).
 -- Requests start at ARGV[HEAD + 1]; each has OWN core arguments (request id, lease token,
 -- random integer, group id or "") before a policy's own, which start at ARGV[i + OWN].
-local HEAD = 10
+local HEAD = 12
 local OWN = 4
 -- Hot path: a redis.call costs ~0.2 us, and turning a number into a string ~0.3 us (Lua's
 -- tostring and the server's "%.17g" both go through printf for doubles), against ~0.03 us

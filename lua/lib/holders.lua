@@ -11,7 +11,8 @@ local function heartbeat(holder, now, ttl, ...)
   if redis.call('ZADD', P .. 'holders', 'GT', int(now + ttl), holder) == 0 then return nil end
   -- The settings every process of a balancer must share, as fields of P.."config" ("" = off)
   -- (a table made only here: most calls of the scripts that load this part never get here).
-  local PINNED = { 'sticky_ttl_ms', 'affinity_margin', 'affinity_ratio', 'group_cap', 'group_by' }
+  local PINNED = { 'sticky_ttl_ms', 'affinity_margin', 'affinity_ratio', 'group_cap', 'group_by',
+    'ejection' }
   local mine = { ... }
   local pinned = redis.call('HMGET', P .. 'config', unpack(PINNED))
   local fresh = {}

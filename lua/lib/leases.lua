@@ -1,4 +1,5 @@
--- lib/leases.lua: ending leases, reaping dead holders, remembering releases (uses base).
+-- lib/leases.lua: ending leases, reaping dead holders, remembering releases (uses base,
+-- admission).
 -- A lease record is id..SEP..request id..SEP..holder (..SEP..weight); its first two parts
 -- name its request index field.
 -- (replica, request index field, holder, weight or nil) of a lease record.
@@ -45,9 +46,11 @@ local function end_lease(token, rec, toks)
   redis.call('ZREM', P .. 'owned:' .. holder, token)
   if w then redis.call('ZINCRBY', P .. 'weighted', '-' .. w, id) end
   redis.call('ZREM', P .. 'held:' .. id, token)
-  -- ZADD XX INCR changes the count only where the replica is (load, else draining).
+  -- ZADD XX INCR changes the count only where the replica is (load, else draining, else off).
   if not redis.call('ZADD', LOAD, 'XX', 'INCR', '-1', id) then
-    redis.call('ZADD', P .. 'draining', 'XX', 'INCR', '-1', id)
+    if not redis.call('ZADD', P .. 'draining', 'XX', 'INCR', '-1', id) then
+      if redis.call('ZADD', P .. 'off', 'XX', 'INCR', '-1', id) then admit().put_back(id) end
+    end
   end
   return id
 end

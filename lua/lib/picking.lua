@@ -59,6 +59,7 @@ local function load_incremented(score, id)
 end
 
 local function least_loaded(rand)
+  if CAPS then return admit().least_relative(rand) end -- relative to capacity (lib/leases)
   if not LL.min and not load_peek() then return nil end
   if not LL.ties then LL.ties = redis.call('ZCOUNT', LOAD, LL.mins, LL.mins) end
   local r = rand % LL.ties

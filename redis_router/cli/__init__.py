@@ -38,6 +38,9 @@ COMMANDS: dict[str, Command] = {
     "servers": Command("redis_router.cli.pool:servers", "add, remove, drain or undrain replicas"),
     "sessions": Command("redis_router.cli.pool:sessions", "manage sticky sessions"),
     "reap": Command("redis_router.cli.pool:reap", "reclaim the leases of dead workers now"),
+    "health": Command(
+        "redis_router.cli.health", "probe the replicas' health URLs and eject failing ones"
+    ),
     "owner": Command("redis_router.cli.locality:owner", "print the replica serving a request"),
     "bump-weight-version": Command(
         "redis_router.cli.locality:bump", "drop every cache-locality record after new weights"

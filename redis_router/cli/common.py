@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 from redis import exceptions as rx
 
-from .. import validation
+from .. import health, validation
 from ..connection import connect, redact, resolve_url, send_failure, unavailable_message
 from ..core import OPTION_DEFAULTS, BalancerCore, Call, Op, T, build_core
 from ..errors import RedisUnavailable
@@ -173,11 +173,26 @@ def open_balancer(args: Any, *, create: bool = False) -> Iterator[Balancer]:
 
 
 def state_of(replica: dict[str, Any]) -> str:
-    """active, draining, or drained (= draining with nothing in flight: safe to remove)."""
+    """active, full (its capacity reached), ejected (failing: no acquire until its time is
+    up), draining, or drained (= draining with nothing in flight: safe to remove)."""
+    if replica.get("ejected_until"):
+        return "ejected"
     if not replica["draining"]:
-        return "active"
+        return "full" if replica.get("full") else "active"
     return "drained" if replica["inflight"] == 0 else "draining"
 
+
+# Health and admission fields of a replica (None or 0 when unused), shown as they are.
+HEALTH_FIELDS = (
+    "capacity",
+    "full",
+    "ejected_until",
+    "ejected_for",
+    "ejected_why",
+    "failures_in_a_row",
+    "failures",
+    "ejections_in_a_row",
+)
 
 REPLICA_FIELDS = (
     "inflight",
@@ -201,6 +216,7 @@ def snapshot(balancer: Balancer) -> dict[str, Any]:
         r = raw["replicas"][sid]
         replicas[sid] = {"state": state_of(r), "draining": r["draining"]}
         replicas[sid].update({f: r[f] for f in REPLICA_FIELDS})
+        replicas[sid].update({f: r[f] for f in HEALTH_FIELDS})
         replicas[sid]["metadata"] = r["metadata"]
     states = [r["state"] for r in replicas.values()]
     totals: dict[str, Any] = {
@@ -208,6 +224,8 @@ def snapshot(balancer: Balancer) -> dict[str, Any]:
         "active": states.count("active"),
         "draining": states.count("draining"),
         "drained": states.count("drained"),
+        "ejected": states.count("ejected"),
+        "full": states.count("full"),
     }
     totals.update({f: sum(r[f] for r in replicas.values()) for f in REPLICA_FIELDS})
     # Sessions whose sticky entry is alive, including those of removed replicas (their next
@@ -220,6 +238,11 @@ def snapshot(balancer: Balancer) -> dict[str, Any]:
         "replicas": replicas,
         "totals": totals,
     }
+    pinned = balancer.client.hget(config_key(balancer.name), "ejection")
+    snap["ejection"] = health.describe(
+        pinned.decode() if isinstance(pinned, bytes) else pinned or ""
+    )
+    snap["waiting"] = raw["waiting"]
     if raw.get("holders") is not None:  # worker processes: live, dead, leases awaiting reclaim
         snap["holders"] = raw["holders"]
     return snap

@@ -14,10 +14,20 @@ never staler than the scrape and an idle exporter costs Redis nothing). Per repl
                                                    they outlived max_lease_age)
     redis_router_repins_total             counter  sticky sessions moved off the replica by
                                                    the affinity margin or ratio
+    redis_router_capacity                 gauge    requests it can hold (only replicas that
+                                                   declare one)
+    redis_router_ejected                  gauge    1 while ejected (failing), by ``reason``
+    redis_router_ejected_seconds_left     gauge    until the ejection ends
+    redis_router_failures_in_a_row        gauge    the failure streak toward ejection
+    redis_router_failures_total           counter  failed requests and probes reported
 
 and per balancer ``redis_router_up`` (1 if Redis answered this scrape) and
 ``redis_router_replicas`` (and, where the status reports worker processes,
-``redis_router_holders`` by ``state`` live|dead and ``redis_router_leases_awaiting_reclaim``).
+``redis_router_holders`` by ``state`` live|dead and ``redis_router_leases_awaiting_reclaim``),
+and for acquires that wait for a place in a full pool ``redis_router_waiting`` (now),
+``redis_router_oldest_wait_seconds``, ``redis_router_waits_total`` by ``outcome``
+served|timed_out|abandoned, ``redis_router_wait_seconds_total`` (of the served) and
+``redis_router_max_wait_seconds``.
 For replicas whose metadata names a KV-events publisher (docs/kv_events.md):
 ``redis_router_kv_index_exact`` (1 while routing may trust the exact index),
 ``redis_router_kv_index_blocks`` and ``redis_router_kv_index_degraded`` by ``reason``.
@@ -116,6 +126,8 @@ class BalancerCollector:
             for sid, r in replicas.items():
                 c.add_metric([self.name, sid], float(r[field]))
             yield c
+        yield from _health(self.name, replicas)
+        yield from _waiting(self.name, (status or {}).get("waiting"))
         yield from self._kv_index({sid: r["metadata"] for sid, r in replicas.items()})
 
     def _kv_index(self, metadata: dict[str, Any]) -> Iterator[Any]:
@@ -152,6 +164,73 @@ class BalancerCollector:
 
     def close(self) -> None:
         self._balancer.client.close()
+
+
+def _health(name: str, replicas: dict[str, Any]) -> Iterator[Any]:
+    """Capacity and ejection per replica."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    labels = ["balancer", "replica"]
+    cap = GaugeMetricFamily(
+        "redis_router_capacity", "Requests the replica can hold (declared).", labels=labels
+    )
+    ejected = GaugeMetricFamily(
+        "redis_router_ejected",
+        "1 while the replica is ejected for failing, by reason.",
+        labels=[*labels, "reason"],
+    )
+    left = GaugeMetricFamily(
+        "redis_router_ejected_seconds_left", "Seconds until the ejection ends.", labels=labels
+    )
+    streak = GaugeMetricFamily(
+        "redis_router_failures_in_a_row", "Failures in a row toward ejection.", labels=labels
+    )
+    failures = CounterMetricFamily(
+        "redis_router_failures", "Failed requests and probes reported.", labels=labels
+    )
+    for sid, r in replicas.items():
+        if r["capacity"] is not None:
+            cap.add_metric([name, sid], float(r["capacity"]))
+        if r["ejected_until"] is not None:
+            ejected.add_metric([name, sid, r["ejected_why"] or ""], 1.0)
+            left.add_metric([name, sid], float(r["ejected_for"]))
+        streak.add_metric([name, sid], float(r["failures_in_a_row"]))
+        failures.add_metric([name, sid], float(r["failures"]))
+    yield from (cap, ejected, left, streak, failures)
+
+
+def _waiting(name: str, waiting: dict[str, Any] | None) -> Iterator[Any]:
+    """Acquires waiting for a place, and how long the served ones waited."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    if waiting is None:
+        return
+    now = GaugeMetricFamily(
+        "redis_router_waiting", "Acquires waiting for a place now.", labels=["balancer"]
+    )
+    now.add_metric([name], float(waiting["now"]))
+    oldest = GaugeMetricFamily(
+        "redis_router_oldest_wait_seconds",
+        "How long the first waiting acquire has waited.",
+        labels=["balancer"],
+    )
+    oldest.add_metric([name], float(waiting["oldest_wait"]))
+    waits = CounterMetricFamily(
+        "redis_router_waits", "Waiting acquires by outcome.", labels=["balancer", "outcome"]
+    )
+    for outcome in ("served", "timed_out", "abandoned"):
+        waits.add_metric([name, outcome], float(waiting[outcome]))
+    total = CounterMetricFamily(
+        "redis_router_wait_seconds", "Seconds the served acquires waited.", labels=["balancer"]
+    )
+    total.add_metric([name], waiting["mean_wait"] * waiting["served"])
+    longest = GaugeMetricFamily(
+        "redis_router_max_wait_seconds",
+        "The longest wait of a served acquire.",
+        labels=["balancer"],
+    )
+    longest.add_metric([name], float(waiting["max_wait"]))
+    yield from (now, oldest, waits, total, longest)
 
 
 def _holders(name: str, holders: dict[str, int] | None) -> Iterator[Any]:

@@ -32,6 +32,14 @@ def _servers_arguments(parser: argparse.ArgumentParser) -> None:
         help='JSON metadata returned to workers as the handle, e.g. \'{"url": "http://..."}\'',
     )
     add.add_argument(
+        "--capacity",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests the replica can hold, never exceeded (default: its metadata's "
+        '"capacity", else no limit; registering without one lifts a capacity declared before)',
+    )
+    add.add_argument(
         "--sticky-ttl",
         type=float,
         default=None,
@@ -79,7 +87,8 @@ def _servers(args: argparse.Namespace) -> int:
 def _add(args: argparse.Namespace) -> int:
     meta = _parse_meta(args.meta)
     with open_balancer(args, create=True) as b:
-        new = b.run(b.core().add_servers({args.id: meta}))
+        capacity = None if args.capacity is None else {args.id: args.capacity}
+        new = b.run(b.core().add_servers({args.id: meta}, capacity))
         if args.sticky_ttl is not None:
             _pin_sticky_ttl(b, args.sticky_ttl)
         draining = b.status()["replicas"][args.id]["draining"]

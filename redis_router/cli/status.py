@@ -22,6 +22,7 @@ COLUMNS = (
     ("STICKY HITS", "sticky_hits"),
     ("RECLAIMED", "reclaimed"),
     ("RE-PINS", "repins"),
+    ("CAPACITY", "capacity"),
     ("METADATA", None),
 )
 META_WIDTH = 40
@@ -30,7 +31,9 @@ CLEAR = "\033[H\033[2J"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
-        "States: active (takes new sessions), draining (serves only its sticky sessions), "
+        "States: active (takes new sessions), full (holds its declared capacity: takes "
+        "nothing until a request ends), ejected (failing: takes nothing until its ejection "
+        "ends), draining (serves only its sticky sessions), "
         "drained (draining with nothing in flight: safe to remove). Leases of worker processes "
         "that died await reclaim: acquires and heartbeats take a few each, `redis-router reap` "
         "takes the rest. Reads only: nothing in Redis changes."
@@ -69,9 +72,11 @@ def render(snap: dict[str, Any], *, clock: str | None = None) -> str:
     lines = [head + (f" · {clock}" if clock else "")]
     rows = [[title for title, _ in COLUMNS]]
     for sid, r in snap["replicas"].items():
-        rows.append([sid, r["state"], *(str(r[f]) for _, f in COLUMNS[2:-1]), _meta(r["metadata"])])
+        shown = ("-" if r.get(f) is None else str(r[f]) for _, f in COLUMNS[2:-1])
+        rows.append([sid, r["state"], *shown, _meta(r["metadata"])])
     t = snap["totals"]
-    rows.append(["TOTAL", f"{t['replicas']} replicas", *(str(t[f]) for _, f in COLUMNS[2:-1]), ""])
+    sums = ("" if f == "capacity" else str(t[f]) for _, f in COLUMNS[2:-1])
+    rows.append(["TOTAL", f"{t['replicas']} replicas", *sums, ""])
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     for row in rows:
         cells = [
@@ -79,7 +84,11 @@ def render(snap: dict[str, Any], *, clock: str | None = None) -> str:
             for i, (cell, w) in enumerate(zip(row, widths, strict=True))
         ]
         lines.append("  ".join(cells).rstrip())
-    lines.append(f"{t['active']} active, {t['draining']} draining, {t['drained']} drained")
+    lines.append(
+        f"{t['active']} active, {t['full']} full, {t['ejected']} ejected, {t['draining']} "
+        f"draining, {t['drained']} drained"
+    )
+    lines += health_lines(snap)
     lines += kv_index_lines(snap)
     lines += hints(snap)
     return "\n".join(lines)
@@ -95,6 +104,31 @@ def with_kv_index(balancer: Balancer, snap: dict[str, Any]) -> dict[str, Any]:
         if state["state"] != "off":
             snap["replicas"][sid]["kv_index"] = state
     return snap
+
+
+def health_lines(snap: dict[str, Any]) -> list[str]:
+    """Ejections (why, until when), failure streaks, and the acquires waiting for a place."""
+    out = []
+    for sid, r in snap["replicas"].items():
+        if r.get("ejected_until"):
+            until = time.strftime("%H:%M:%S", time.localtime(r["ejected_until"]))
+            out.append(
+                f"ejected {sid} until {until} ({r['ejected_for']:.1f} s left, ejection "
+                f"{r['ejections_in_a_row']} in a row): {r['ejected_why']}"
+            )
+        elif r.get("failures_in_a_row"):
+            out.append(f"failing {sid}: {r['failures_in_a_row']} failures in a row")
+    if "ejection" in snap:
+        out.append(f"ejection: {snap['ejection']}")
+    w = snap.get("waiting")
+    if w and (w["now"] or w["served"] or w["timed_out"]):
+        out.append(
+            f"waiting for a place: {w['now']} now (first for {w['oldest_wait']:.1f} s); "
+            f"{w['served']} served after waiting (mean {w['mean_wait'] * 1000:.0f} ms, max "
+            f"{w['max_wait'] * 1000:.0f} ms), {w['timed_out']} gave up, {w['abandoned']} "
+            "abandoned"
+        )
+    return out
 
 
 def kv_index_lines(snap: dict[str, Any]) -> list[str]:

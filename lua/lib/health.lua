@@ -1,0 +1,82 @@
+-- lib/health.lua: outcomes of requests and health probes, and ejection (uses base,
+-- admission).
+-- Envoy's outlier detection, shared by every process: `after` failures in a row eject a
+-- replica for base * (ejections in a row) ms, at most max ms, while at most `share` of the
+-- pool is ejected; a success clears the streak. The settings are pinned in P.."config" field
+-- `ejection` ("after base_ms max_ms share mode"; "" = off): a failure reads them, a success never
+-- (the release's operation id says whether ejection is on, see released()).
+--   P.."fails"      HASH  id -> failures in a row (exists only while some streak does)
+--   P.."ejected"    ZSET  id -> ejected until (ms); P.."eject_why" HASH id -> why
+--   P.."ejections"  HASH  id -> ejections in a row, id..SEP.."t" -> when the last one ends;
+--                         a replica not ejected for `max` ms starts again at base
+--   P.."failures"   HASH  id -> failures reported (a counter, for status)
+local STREAKS, HEALTH = nil, nil -- STREAKS: whether P.."fails" exists, read once per call
+
+-- The procedures, made on first use (as lib/leases.lua's admit): a release that reports
+-- nothing makes none of them.
+local function health()
+  if HEALTH then return HEALTH end
+  local H = {}
+
+  function H.settings()
+    local s = redis.call('HGET', P .. 'config', 'ejection')
+    if not s or s == '' then return nil end
+    local after, base, max, share = string.match(s, '^(%S+) (%S+) (%S+) (%S+)')
+    return tonumber(after), tonumber(base), tonumber(max), tonumber(share)
+  end
+
+  -- Eject id (a pool member) until now + its ejection time, unless it is ejected already or
+  -- one more ejection would exceed the share of the pool. Returns the end time, or nil.
+  function H.eject(id, why, now, base, max, share)
+    if redis.call('ZSCORE', P .. 'ejected', id) or redis.call('HEXISTS', P .. 'servers', id) == 0
+    then
+      return nil
+    end
+    admit().restore_due(now) -- an ejection whose time is up no longer counts toward the share
+    local pool = redis.call('HLEN', P .. 'servers')
+    if redis.call('ZCARD', P .. 'ejected') + 1 > math.floor(pool * share + 1e-9) then return nil end
+    local k = tonumber(redis.call('HGET', P .. 'ejections', id) or 0)
+    local last = tonumber(redis.call('HGET', P .. 'ejections', id .. SEP .. 't') or 0)
+    if now - last > max then k = 0 end
+    k = k + 1
+    local til = now + math.min(base * k, max)
+    redis.call('HSET', P .. 'ejections', id, int(k), id .. SEP .. 't', int(til))
+    redis.call('ZADD', P .. 'ejected', int(til), id)
+    redis.call('HSET', P .. 'eject_why', id, why)
+    admit().take_off(id)
+    return til
+  end
+
+  -- A request to (or a probe of) id failed: count it toward the streak that ejects it.
+  function H.failed(id, why, now)
+    redis.call('HINCRBY', P .. 'failures', id, '1')
+    local after, base, max, share = H.settings()
+    if not after then return end
+    STREAKS = true
+    local n = redis.call('HINCRBY', P .. 'fails', id, '1')
+    if n >= after and H.eject(id, int(n) .. ' ' .. why .. ' in a row', now, base, max, share) then
+      redis.call('HDEL', P .. 'fails', id)
+    end
+  end
+
+  -- A request to (or a probe of) id succeeded: its streak, if any, ends.
+  function H.succeeded(id)
+    if STREAKS == nil then STREAKS = redis.call('EXISTS', P .. 'fails') == 1 end
+    if STREAKS then redis.call('HDEL', P .. 'fails', id) end
+  end
+
+  HEALTH = H
+  return H
+end
+
+-- A lease on id was released by operation `op`: its request failed when op starts with "!",
+-- succeeded with ejection on when it starts with "+" (its streak ends); any other release is
+-- a success with ejection off (every process pins it), where no streak exists: no call.
+local function released(id, op)
+  local mark = id and string.byte(op)
+  if mark == 33 then
+    health().failed(id, 'failed requests', now_ms())
+  elseif mark == 43 then
+    health().succeeded(id)
+  end
+end

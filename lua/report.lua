@@ -1,0 +1,25 @@
+-- report.lua: outcomes of health probes (redis-router health), fed to passive health.
+-- KEYS[1]  key prefix "rr:{NAME}:"
+-- ARGV     triples: server id, 1 = healthy / 0 = failed, why (a short text)
+-- Returns  flat array: per replica in the pool, server id and "ok" | "failing" | "ejected
+--          until <ms>"; replicas not in the pool are skipped.
+-- Keeps    I10, I11: the same streaks and ejections as failed requests (lib/health.lua);
+--          ejections whose time is up end first.
+-- Uses     lib/base, lib/admission, lib/leases, lib/health
+local now = now_ms()
+admit().restore_due(now)
+local out = {}
+for i = 1, #ARGV, 3 do
+  local id = ARGV[i]
+  if redis.call('HEXISTS', P .. 'servers', id) == 1 then
+    if ARGV[i + 1] == '1' then
+      health().succeeded(id)
+    else
+      health().failed(id, 'failed health checks (' .. ARGV[i + 2] .. ')', now)
+    end
+    local til = redis.call('ZSCORE', P .. 'ejected', id)
+    out[#out + 1] = id
+    out[#out + 1] = til and ('ejected until ' .. til) or (ARGV[i + 1] == '1' and 'ok' or 'failing')
+  end
+end
+return out

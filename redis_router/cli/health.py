@@ -1,0 +1,130 @@
+"""`redis-router health`: active health checks, fed to the balancer's passive health.
+
+Each round probes every replica whose metadata names a health URL (``"health_url"``, else
+``"url"`` + ``--path``) with an HTTP GET; a 2xx answer within ``--timeout`` is healthy. The
+outcomes go to ``report.lua`` in one call: a failed probe counts toward ejecting the replica
+exactly as a failed request does (``eject_after`` in a row, pinned by the workers; a success
+ends the streak), so ejections are shared by every worker. Any number of checkers may run, on
+any machine, and none is required: each only reports what it sees. SGLang's gateway runs one
+checker per router; here they all feed one shared decision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ..errors import RedisUnavailable
+from .common import Balancer, config_key, open_balancer, servers_key
+
+MAX_PARALLEL = 32
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = (
+        "A replica is probed when its metadata has health_url (or url, to which --path is "
+        "appended). Probe failures eject a replica only when the workers pinned ejection "
+        "(eject_after=N); otherwise they are only counted (status shows them)."
+    )
+    parser.add_argument(
+        "--interval", type=float, default=5.0, metavar="SECONDS", help="between rounds (5)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=2.0, metavar="SECONDS", help="per probe (2)"
+    )
+    parser.add_argument(
+        "--path", default="/health", help="appended to a replica's url without health_url"
+    )
+    parser.add_argument("--once", action="store_true", help="one round, then exit")
+
+
+def health_url(meta: Any, path: str) -> str | None:
+    """Where to probe a replica, from its metadata (None: not probed)."""
+    if not isinstance(meta, Mapping):
+        return None
+    url = meta.get("health_url")
+    if isinstance(url, str) and url:
+        return url
+    base = meta.get("url")
+    if isinstance(base, str) and base.startswith(("http://", "https://")):
+        return base.rstrip("/") + path
+    return None
+
+
+def probe(url: str, timeout: float) -> tuple[bool, str]:
+    """(healthy, why): a 2xx answer within ``timeout`` seconds is healthy."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as answer:
+            status = int(answer.status)
+        return 200 <= status < 300, f"HTTP {status}"
+    except urllib.error.HTTPError as exc:
+        return False, f"HTTP {exc.code}"
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return False, type(reason).__name__ if not str(reason) else str(reason)[:80]
+
+
+def check_round(balancer: Balancer, path: str, timeout: float) -> dict[str, str]:
+    """Probe every replica that has a health URL and report the outcomes; returns each
+    probed replica's state after the report."""
+    raw = balancer.client.hgetall(servers_key(balancer.name))
+    targets: dict[str, str] = {}
+    for sid, meta in raw.items():
+        sid = sid.decode() if isinstance(sid, bytes) else sid
+        try:
+            url = health_url(json.loads(meta), path)
+        except ValueError:
+            url = None
+        if url:
+            targets[sid] = url
+    if not targets:
+        return {}
+    with ThreadPoolExecutor(min(MAX_PARALLEL, len(targets))) as pool:
+        results = dict(
+            zip(targets, pool.map(lambda u: probe(u, timeout), targets.values()), strict=True)
+        )
+    outcomes = [(sid, ok, why) for sid, (ok, why) in results.items()]
+    core = balancer.core()
+    return balancer.run(core.report(outcomes), core)
+
+
+def readable(state: str) -> str:
+    """report.lua's "ejected until <ms>" with a local clock time."""
+    head, _, until = state.partition(" until ")
+    if not until:
+        return state
+    return f"{head} until {time.strftime('%H:%M:%S', time.localtime(int(until) / 1000))}"
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.interval > 0 or not args.timeout > 0:
+        raise ValueError("--interval and --timeout must be > 0 seconds")
+    with open_balancer(args) as balancer:
+        pinned = balancer.client.hget(config_key(balancer.name), "ejection")
+        if not pinned:
+            print(
+                f"balancer {balancer.name!r}: ejection is off (no worker pinned eject_after): "
+                "failed probes are counted, nothing is ejected",
+                flush=True,
+            )
+        last: dict[str, str] = {}
+        while True:
+            started = time.monotonic()
+            try:
+                states = check_round(balancer, args.path, args.timeout)
+            except RedisUnavailable as exc:
+                print(f"{time.strftime('%H:%M:%S')} {exc}", flush=True)
+                states = last
+            for sid, state in sorted(states.items()):
+                if last.get(sid) != state.split(" until")[0] or args.once:
+                    print(f"{time.strftime('%H:%M:%S')} {sid}: {readable(state)}", flush=True)
+            last = {sid: state.split(" until")[0] for sid, state in states.items()}
+            if args.once:
+                return 0
+            time.sleep(max(0.0, args.interval - (time.monotonic() - started)))
