@@ -1,19 +1,19 @@
 -- release.lua: end one or more leases, in order.
 -- KEYS[1]  key prefix "rr:{NAME}:"
 -- ARGV     quads: server id, request id or '', token or '', operation id (client-made,
---          unique per call, the same in a resent copy; "!"/"+" first: see Health)
---          With a token, that lease ends (the token decides the replica). With a request id,
---          the oldest lease of that request on that replica ends; with neither, the oldest
---          lease on that replica. A token written "?token" is a hint with a request id: the
---          releasing process's own lease of that request, ended if it is still there (no
---          index lookup), else the request's oldest lease on that replica.
--- Returns  per quad: the token of the lease it ended (so the client knows which, also for a
---          release by request id or replica), 1 if an earlier copy of this call ended it (a
---          resend after a timeout), 0 if there was none (released twice, reclaimed, unknown or
---          removed replica: a harmless no-op, I6).
+--          unique per call, the same in a resent copy; "!"/"+" first: see Health). Which
+--          lease ends: see Which below.
+-- Returns  per quad: the token of the lease it ended, 1 if an earlier copy of this call
+--          ended it (a resend after a timeout), 0 if there was none (released twice,
+--          reclaimed, unknown or removed replica: a harmless no-op, I6).
 -- Keeps    I1 (count -1 with its lease, never below 0), I2, I6, I10, I11. Safe to resend: the
 --          operation id is remembered in P.."ended" (rotated by heartbeat.lua), so a second
 --          copy reports the first one's result and never ends another lease.
+-- Which    With a token, that lease (the token decides the replica). With a request id, the
+--          oldest lease of that request on that replica; with neither, the oldest lease on
+--          that replica. "?token" with a request id is a hint: the releasing process's own
+--          lease of that request, ended if it is still there (no index lookup), else the
+--          request's oldest lease on that replica. The client learns the token it ended.
 -- Health   "!" first: the request failed, which counts toward ejecting its replica
 --          (lib/health.lua), once per lease; "+" first: it succeeded with ejection on, which
 --          ends the replica's failure streak.
@@ -24,6 +24,10 @@ local function release(id, req, token, op)
     local hinted = string.byte(token) == 63 -- "?token": the releasing process's own lease
     if hinted then token = string.sub(token, 2) end
     rec = redis.call('HGET', P .. 'leases', token)
+    -- A hint names a lease of that request on that replica (its token may since have been
+    -- granted again elsewhere, by a retry after the lease ended).
+    local field = hinted and rec and id .. SEP .. req .. SEP
+    if field and string.sub(rec, 1, #field) ~= field then rec = nil end
     if not rec then
       -- Not a lease (any more): ended by an earlier copy of this call, or by another.
       if was_ended(op) then return 1 end

@@ -611,7 +611,7 @@ class BalancerMachine(RuleBasedStateMachine):
     def release_by_request(self, who: int, sid: str, rid: str) -> None:
         self._ready()
         p = self.proc(who)
-        token = self.model.first_of_request(sid, rid)
+        token = self.model.ended_by_request(sid, rid, p.lb._core.latest.get((sid, rid)))
         assert self._call(p.call, "release_server", sid, rid)[0] == (token is not None)
         if token is not None:
             assert self._still_leases([token]) == []
@@ -816,7 +816,7 @@ class BalancerMachine(RuleBasedStateMachine):
         token = _pick(list(self.model.leases), pick)
         sid = self.model.leases[token].server_id if token else SERVERS[pick % len(SERVERS)]
         if kind == 2:
-            token = self.model.first_of_request(sid, rid)
+            token = self.model.ended_by_request(sid, rid, p.lb._core.latest.get((sid, rid)))
             assert call(lambda: p.call("release_server", sid, rid))[0] == (token is not None)
             if token is not None:
                 self.model.release_token(token)

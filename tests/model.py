@@ -268,6 +268,26 @@ class Model:
                 return token
         return None
 
+    def ended_by_request(self, server_id: str, request_id: str, mine: str | None) -> str | None:
+        """The lease a release by request id ends when the releasing balancer names ``mine``
+        (its last lease of that request there, its hint): that one while it lasts, else the
+        request's oldest there."""
+        lease = self.leases.get(mine) if mine else None
+        if lease is not None and (lease.server_id, lease.request_id) == (server_id, request_id):
+            return mine
+        return self.first_of_request(server_id, request_id)
+
+    def request_candidates(self, server_id: str, request_id: str, holder: str) -> set[str]:
+        """The leases a release by request id from ``holder`` may end when its hint is not
+        known: one of its own leases of that request there, or the request's oldest there."""
+        own = {
+            t
+            for t, lease in self.leases.items()
+            if (lease.server_id, lease.request_id, lease.holder) == (server_id, request_id, holder)
+        }
+        oldest = self.first_of_request(server_id, request_id)
+        return own | ({oldest} if oldest else set())
+
     def release_request(self, server_id: str, request_id: str) -> bool:
         token = self.first_of_request(server_id, request_id)
         return token is not None and self.release_token(token)

@@ -172,7 +172,7 @@ class AsyncMachine(BalancerMachine):
         for at in range(n + 2):  # the release batch runs before acquire call number `at`
             models = [self.model.copy()]
             if at == 0:
-                models = _released(models, releases, got_releases)
+                models = _released(models, releases, got_releases, p.holder)
             for m in models:
                 try:
                     refused = call(m, list(range(n)))
@@ -180,14 +180,14 @@ class AsyncMachine(BalancerMachine):
                     continue
                 if not refused:
                     if at == 1:
-                        out += _released([m], releases, got_releases)
+                        out += _released([m], releases, got_releases, p.holder)
                     elif at == 0:
                         out.append(m)
                     continue
                 branch = [m]
                 for k in range(n):  # refused whole: retried one by one
                     if at == k + 1:
-                        branch = _released(branch, releases, got_releases)
+                        branch = _released(branch, releases, got_releases, p.holder)
                     kept = []
                     for b in branch:
                         try:
@@ -197,7 +197,7 @@ class AsyncMachine(BalancerMachine):
                         kept.append(b)
                     branch = kept
                 if at == n + 1:
-                    branch = _released(branch, releases, got_releases)
+                    branch = _released(branch, releases, got_releases, p.holder)
                 out += branch
         return out
 
@@ -210,8 +210,10 @@ def _released(
     models: list[Model],
     releases: list[tuple[str, str, str | None, str | None]],
     got: list[Any],
+    holder: str,
 ) -> list[Model]:
-    """Apply the release batch, in order, to each model; a release by replica only branches
+    """Apply the release batch, in order, to each model; a release by replica only, or by
+    request id (which names the releasing balancer's own lease, if it has one), branches
     over its candidates. Keeps the models whose every reply matches."""
     for (kind, sid, rid, token), done in zip(releases, got, strict=True):
         after: list[Model] = []
@@ -219,11 +221,12 @@ def _released(
             if kind == "token":
                 if done == m.release_token(token):
                     after.append(m)
-            elif kind == "request":
-                if done == m.release_request(sid, rid):
-                    after.append(m)
             else:
-                candidates = m.oldest_candidates(sid)
+                candidates = (
+                    m.request_candidates(sid, rid, holder)
+                    if kind == "request"
+                    else m.oldest_candidates(sid)
+                )
                 if done != bool(candidates):
                     continue
                 if not candidates:

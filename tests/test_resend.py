@@ -203,3 +203,16 @@ def test_release_keys_are_remembered_a_window_and_forgotten_after_two(make_lb, r
     assert r.hexists(old, "op-2")
     assert release_op_1() == [0]
     assert invariants.check(r, lb.name) == {"s0": 0}
+
+
+def test_a_hint_whose_token_was_granted_again_for_another_request_ends_nothing_of_it(make_lb, r):
+    a = make_lb({"s0": None})
+    b = make_lb({"s0": None}, name=a.name)
+    token = a.acquire("req").token
+    assert b.release_server("s0", "req")  # ends a's lease: a still names it for "req"
+    assert a.acquire("other", token=token).request_id == "other"  # the token, granted anew
+    b.acquire_server("req")
+    assert a.release_server("s0", "req")  # the hint is another request's lease now: b's ends
+    assert a.get_inflight_count("s0") == 1
+    assert a.release_server("s0", "other") and not a.release_server("s0", "req")
+    assert invariants.check(r, a.name) == {"s0": 0}
