@@ -33,10 +33,20 @@ Algorithm (the policy of SGLang's cache-aware router, on an approximate index in
    ``prefix_cache_index.lua`` (``rr:{NAME}:pc:idx``, ``pc:lru``, ``pc:n``).
 
 The index is approximate: it assumes a replica keeps what it was sent for ``index_ttl``.
-Exact mode: set ``record_on_acquire: false`` and feed the replicas' KV-cache events through
-:meth:`PrefixCacheRouter.record_blocks` / :meth:`~PrefixCacheRouter.evict_blocks`, with hashes
-made by :meth:`~PrefixCacheRouter.block_hashes` from the blocks' token ids (vLLM's
-``BlockStored`` events carry them); a router block counts as held once all its tokens are.
+
+Exact routing (``kv_block_size`` set to the replicas' engine block size, vLLM's
+``--block-size``): for replicas whose KV-events stream is healthy (``redis-router kv-events``
+keeps the exact index, docs/kv_events.md; a replica counts while its ``kv:exact`` deadline is
+in the future) the script reads what the engine itself reports it holds, in the same call.
+The client also hashes the prompt as the exact index does (SHA-1 chained per engine block,
+:func:`redis_router.kv_events.block_hashes`, read at the same grid of depths; ~130 µs for 4k
+tokens at 16 tokens a block, so it is off unless asked for) and step 2 becomes: the deepest
+prefix, in tokens, held by an exact replica per the exact index, or by any other replica per
+the approximate index, wins; equal depths pool their holders. An exact replica's approximate
+records count only while younger than ``kv_event_lag``: they stand in for the events of blocks
+it was just sent and has not reported yet (a GRPO group's 8 samples arrive together, before
+the first one's prefill is published); after that the exact index is the truth, including its
+evictions. So record_on_acquire keeps recording for every replica.
 
 Options (YAML keys beside ``router_class``, or keyword arguments; the core's options such as
 ``redis``, ``name``, ``sticky_ttl``, ``lease_ttl`` pass through):
@@ -53,8 +63,14 @@ Options (YAML keys beside ``router_class``, or keyword arguments; the core's opt
 - ``max_index_blocks`` (100_000): bound on the index, in hashes recorded (a hash recorded
   for two replicas, or twice for one, counts twice); about 160 bytes per hash recorded.
 - ``max_prompt_blocks`` (1024): blocks of a prompt looked at (32k tokens); later ones ignored.
-- ``record_on_acquire`` (true): record blocks on acquire (approximate mode); false for exact
-  mode.
+- ``record_on_acquire`` (true): record blocks on acquire; false when only
+  :meth:`PrefixCacheRouter.record_blocks` / :meth:`~PrefixCacheRouter.evict_blocks` feed the
+  approximate index (hashes from :meth:`~PrefixCacheRouter.block_hashes`).
+- ``kv_block_size`` (None): the engine's KV block size in tokens; set it to route on the exact
+  index for the replicas whose stream is exact (None: the approximate index only, and the
+  client computes no exact hashes).
+- ``kv_event_lag`` (2 s): how long an acquire's approximate record stands in for an exact
+  replica's KV events that have not reached the index yet.
 
 Under ``full_determinism`` new sessions are placed by rendezvous hashing as in the core (I5).
 """
@@ -73,6 +89,7 @@ from typing import Any
 
 from redis_router import AsyncRedisLoadBalancer, RedisLoadBalancer, validation
 from redis_router.core import BalancerCore, Call, Op
+from redis_router.kv_events.hashing import block_hashes as exact_block_hashes
 from redis_router.policy import RoutingPolicy
 from redis_router.scripts import Script, load_file
 
@@ -106,6 +123,8 @@ class PrefixSettings:
     max_index_blocks: int = 100_000
     max_prompt_blocks: int = 1024
     record_on_acquire: bool = True
+    kv_block_size: int | None = None
+    kv_event_lag: float = 2.0
 
     def __post_init__(self) -> None:
         _int(self.block_size, "block_size", 1)
@@ -115,6 +134,9 @@ class PrefixSettings:
         _number(self.balance_rel_threshold, "balance_rel_threshold", 1)
         _number(self.min_match, "min_match", 0, 1)
         validation.seconds(self.index_ttl, "index_ttl")
+        if self.kv_block_size is not None:
+            _int(self.kv_block_size, "kv_block_size", 1)
+        _number(self.kv_event_lag, "kv_event_lag", 0)
         if not isinstance(self.record_on_acquire, bool):
             raise TypeError(
                 f"record_on_acquire must be a bool, got {type(self.record_on_acquire).__name__}"
@@ -129,7 +151,8 @@ class PrefixSettings:
         return (
             f"{self.balance_abs_threshold!r} {self.balance_rel_threshold!r} "
             f"{self.ttl_ms} {self.max_index_blocks} {INDEX_TRIM_BUDGET} "
-            f"{int(self.record_on_acquire)} {max(1, self.ttl_ms // 16)}"
+            f"{int(self.record_on_acquire)} {max(1, self.ttl_ms // 16)} "
+            f"{round(self.kv_event_lag * 1000)} {self.block_size} {self.kv_block_size or 0}"
         )
 
 
@@ -237,6 +260,24 @@ def chain_hashes(
     return list(depths), [hexed[k : k + HASH_CHARS] for k in range(0, len(hexed), HASH_CHARS)]
 
 
+def _exact_args(
+    prompt_ids: Sequence[int], kv_block_size: int, max_tokens: int, min_match: float
+) -> tuple[str, str]:
+    """The exact index's hashes of the prompt (its first ``max_tokens`` tokens) at the grid of
+    depths, concatenated, and "first blocks": the first grid entry covering ``min_match`` of
+    the prompt, and how many engine blocks it has. Token ids outside [0, 2**32) cannot be in
+    an engine's cache: no exact hashes then (the approximate index still routes)."""
+    try:
+        chain = exact_block_hashes(prompt_ids, kv_block_size, max_tokens // kv_block_size)
+    except ValueError:
+        return "", "1 0"
+    blocks = len(chain)
+    if blocks == 0:
+        return "", "1 0"
+    hexed = "".join(chain[d - 1] for d in _grid(blocks))
+    return hexed, f"{_first_counted(blocks, min_match)} {blocks}"
+
+
 def _check_hashes(block_hashes: object) -> str:
     if isinstance(block_hashes, (str, bytes)) or not isinstance(block_hashes, Sequence):
         raise TypeError("block_hashes must be a list of hashes from block_hashes()")
@@ -264,7 +305,7 @@ class PrefixCache(RoutingPolicy):
     name = "prefix_cache"
     script_path = _HERE / "prefix_cache.lua"
     acquire_fields = ("prompt_ids",)
-    arity = 3
+    arity = 5
     locality_keys = ("pc:idx", "pc:lru", "pc:n")
 
     def __init__(self, **options: Any) -> None:
@@ -276,14 +317,26 @@ class PrefixCache(RoutingPolicy):
         return asdict(self.settings)
 
     def request_args(self, fields: Mapping[str, Any]) -> tuple[str, ...]:
-        """(settings, prefix hashes, first counted depth): prefix_cache.lua's arguments."""
+        """(settings, prefix hashes, first counted depth, exact hashes, exact info):
+        prefix_cache.lua's arguments. The last two are empty unless ``kv_block_size`` is set."""
         prompt_ids = fields.get("prompt_ids")
         if prompt_ids is None:
-            return self._lua_settings, "", "1"
+            return self._lua_settings, "", "1", "", ""
         s = self.settings
         depths, hexed = _prefix_hex(prompt_ids, s.block_size, s.max_prompt_blocks)
         first = _first_counted(depths[-1], s.min_match) if depths else "1"
-        return self._lua_settings, hexed, first
+        if s.kv_block_size is None:
+            return self._lua_settings, hexed, first, "", ""
+        kv_hexed, kv_info = _exact_args(
+            prompt_ids, s.kv_block_size, s.max_prompt_blocks * s.block_size, s.min_match
+        )
+        return (
+            self._lua_settings,
+            hexed,
+            first,
+            kv_hexed,
+            f"{kv_info} {depths[-1] if depths else 0}",
+        )
 
     def block_hashes(self, prompt_ids: Sequence[int]) -> list[str]:
         """The index's hashes of a prompt (what exact mode records for the tokens a replica
