@@ -24,7 +24,8 @@
 --          would decide. With exact hashes: a replica whose exact index is trusted now
 --          (kv:exact) is judged by kv:idx, and by its approximate records only while younger
 --          than lag_ms (blocks sent whose events have not arrived); the deepest prefix in
---          tokens wins, equal depths pool their holders. One more HMGET of kv:idx, one of
+--          tokens wins, depths less than max(block_size, kv_block_size) apart pool their
+--          holders. One more HMGET of kv:idx, one of
 --          kv:exact and one ZMSCORE.
 -- Then     each new lease (balanced or sticky) records the prompt's blocks for its replica
 --          (when record = 1) as one write: blocks it received less than refresh_ms ago are
@@ -187,10 +188,13 @@ local function exact_choice(i, c, hs, n)
     end
   end
   if not eset and not aset then return nil end
+  -- Depths less than a block of the coarser grid apart name the same prefix (each index
+  -- drops its own partial last block): pooled.
+  local tol = math.max(c.bs, c.kbs)
   local pool = eset
-  if not eset or atok > etok then
+  if not eset or atok >= etok + tol then
     pool = aset
-  elseif aset and atok == etok then
+  elseif aset and atok > etok - tol then
     for _, id in ipairs(aset) do pool[#pool + 1] = id end
   end
   return least_of(pool, load)

@@ -211,3 +211,33 @@ def test_token_ids_no_engine_could_cache_route_on_the_approximate_index(make_pc,
     p = [-1, *prompt(7)[1:]]  # a negative id: no exact hashes, the approximate index still works
     first = route(lb, p, keep=True)
     assert route(lb, p) == first
+
+
+def test_the_asyncio_twin_routes_on_the_exact_index_too(server, make_pc, engines):
+    import asyncio
+
+    from redis_router.plugins.prefix_cache import AsyncPrefixCacheRouter
+
+    make_pc()  # registers the replicas
+    es = engines("s0", "s1", "s2", "s3")
+    prompts = {sid: prompt(20 + k) for k, sid in enumerate(SERVERS)}
+    for sid, p in prompts.items():
+        es[sid].store(p)
+
+    async def main() -> list[str]:
+        lb = AsyncPrefixCacheRouter(
+            SERVERS,
+            router_kwargs={"redis": server.url, "name": "pcx", "kv_block_size": KV_BLOCK,
+                           "kv_event_lag": 0},
+        )  # fmt: skip
+        try:
+            out = []
+            for k, p in enumerate(prompts.values()):
+                sid, _ = await lb.acquire_server(f"a{k}", prompt_ids=p)
+                await lb.release_server(sid, f"a{k}")
+                out.append(sid)
+            return out
+        finally:
+            await lb.close()
+
+    assert asyncio.run(main()) == list(prompts)

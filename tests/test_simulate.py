@@ -88,3 +88,50 @@ def test_rl_trade_moves_sessions_only_with_a_margin_or_the_gate(server):
     for r in rows.values():
         assert 0.0 <= r.hit_rate <= 1.0 and r.makespan > 0
     assert rows[("grpo", "groups, cap 8")].hit_rate > rows[("grpo", "sticky only")].hit_rate
+
+
+def test_kv_replica_reports_what_it_caches_and_evicts_as_events():
+    from redis_router import simulate_kv as kv
+    from redis_router.kv_events import BlockRemoved, BlockStored
+
+    rep = kv.Replica(capacity=4)
+    a = list(range(3 * kv.BLOCK))
+    ha = kv.chain(a, 3)
+    rep.store(a, ha)
+    assert rep.pending == [BlockStored(ha, None, a, kv.BLOCK)]
+    b = a[: 2 * kv.BLOCK] + list(range(1000, 1000 + 2 * kv.BLOCK))
+    hb = kv.chain(b, 4)
+    assert hb[:2] == ha[:2] and rep.cached(hb) == 2
+    rep.pending.clear()
+    rep.store(b, hb)  # two new blocks on a's first two; a's tail block is evicted first
+    assert rep.pending == [
+        BlockStored(hb[2:], hb[1], b[2 * kv.BLOCK :], kv.BLOCK),
+        BlockRemoved([ha[2]]),
+    ]
+    assert rep.cached(ha) == 2 and rep.cached(hb) == 4
+
+
+def test_kv_run_compares_every_router_with_1_8_and_64_clients(server, capsys):
+    """Virtual time, seeded tie-breaks: structure and sanity, not the targets."""
+    from redis_router import simulate_kv as kv
+
+    assert simulate.main(["--kv", "--quick", "--redis", server.url]) == 0
+    printed = capsys.readouterr().out
+    rows = [line.split(" | ") for line in printed.splitlines() if line.startswith("| ")]
+    got = {(r[0][2:], r[1], r[2]): r for r in rows if r[1] in kv.ROUTERS}
+    for w in kv.WORKLOADS:
+        for r in ("least-loaded", "approximate", "exact"):
+            for c in kv.CLIENTS:
+                assert (w, r, str(c)) in got
+        assert (w, "oracle", "-") in got
+    for (w, r, _), row in got.items():
+        assert 0.0 <= float(row[3].rstrip("%")) <= 100.0
+        assert float(row[4]) >= 1.0
+        assert (int(row[6].strip(" |").replace(",", "")) > 0) == (r == "exact")  # events
+    # The shared system prompts: any prefix router beats least-loaded by far.
+    hit = {(w, r): float(row[3].rstrip("%")) for (w, r, c), row in got.items() if c in "1-"}
+    assert hit[("system", "exact")] > hit[("system", "least-loaded")] + 10
+    assert hit[("system", "oracle")] > hit[("system", "least-loaded")] + 10
+    assert "(target >= 1.3x)" in printed and "clients varies" in printed
+    with server.client() as c:
+        assert list(c.scan_iter(match="rr:{kvsim-*")) == []
