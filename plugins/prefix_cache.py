@@ -339,8 +339,8 @@ class PrefixCache(RoutingPolicy):
         )
 
     def block_hashes(self, prompt_ids: Sequence[int]) -> list[str]:
-        """The index's hashes of a prompt (what exact mode records for the tokens a replica
-        holds): one per sampled depth, see :func:`sample_depths`."""
+        """The approximate index's hashes of a prompt (what :meth:`record_blocks` takes for the
+        tokens a replica holds): one per sampled depth, see :func:`sample_depths`."""
         s = self.settings
         return chain_hashes(prompt_ids, s.block_size, s.max_prompt_blocks)[1]
 
@@ -378,17 +378,19 @@ class _IndexOps:
 
 class PrefixCacheRouter(_IndexOps, RedisLoadBalancer):
     """A :class:`~redis_router.RedisLoadBalancer` with the :class:`PrefixCache` policy, and
-    the index's maintenance for exact mode."""
+    the approximate index's maintenance by hand (the exact index is written by
+    ``redis-router kv-events``)."""
 
     default_policy = PrefixCache
 
     def record_blocks(self, server_id: str, block_hashes: Sequence[str]) -> int:
-        """Exact mode: the replica now holds these blocks. Returns how many were recorded (0 if
-        the replica is not in the pool)."""
+        """The replica now holds these blocks (the approximate index, fed by hand). Returns
+        how many were recorded (0 if the replica is not in the pool)."""
         return self._run(self._blocks_op("record", server_id, block_hashes))
 
     def evict_blocks(self, server_id: str, block_hashes: Sequence[str]) -> int:
-        """Exact mode: the replica dropped these blocks. Returns how many entries went."""
+        """The replica dropped these blocks (the approximate index, fed by hand). Returns how
+        many entries went."""
         return self._run(self._blocks_op("evict", server_id, block_hashes))
 
     def clear_index(self) -> int:

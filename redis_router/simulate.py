@@ -460,6 +460,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "affinity margins, groups, prefix-cache), in virtual time (redis_router.simulate_rl)",
     )
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="with --kv: runs (each with other tie-break streams) averaged per row",
+    )
+    parser.add_argument(
         "--kv",
         action="store_true",
         help="instead: routing on the replicas' KV-cache events (least-loaded, approximate, "
@@ -545,7 +551,7 @@ def run(args: argparse.Namespace) -> int:
 
         with given_or_private_redis(getattr(args, "redis", None)) as (url, where):
             print(f"simulate --kv: {where}", file=sys.stdout)
-            return simulate_kv.main(url, args.seed, args.quick, sys.stdout)
+            return simulate_kv.main(url, args.seed, args.quick, sys.stdout, args.repeats)
     if args.quick:
         args = _quick(args)
     workloads = [w for w in args.workloads.split(",") if w]

@@ -118,18 +118,22 @@ def test_kv_run_compares_every_router_with_1_8_and_64_clients(server, capsys):
     assert simulate.main(["--kv", "--quick", "--redis", server.url]) == 0
     printed = capsys.readouterr().out
     rows = [line.split(" | ") for line in printed.splitlines() if line.startswith("| ")]
-    got = {(r[0][2:], r[1], r[2]): r for r in rows if r[1] in kv.ROUTERS}
+    # (workload, router, clients, tie-breaks) -> hit rate, max/mean, requests, events
+    got = {tuple([r[0][2:], *r[1:4]]): r[4:] for r in rows if r[1] in kv.ROUTERS}
     for w in kv.WORKLOADS:
         for r in ("least-loaded", "approximate", "exact"):
             for c in kv.CLIENTS:
-                assert (w, r, str(c)) in got
-        assert (w, "oracle", "-") in got
-    for (w, r, _), row in got.items():
-        assert 0.0 <= float(row[3].rstrip("%")) <= 100.0
-        assert float(row[4]) >= 1.0
-        assert (int(row[6].strip(" |").replace(",", "")) > 0) == (r == "exact")  # events
-    # The shared system prompts: any prefix router beats least-loaded by far.
-    hit = {(w, r): float(row[3].rstrip("%")) for (w, r, c), row in got.items() if c in "1-"}
+                assert (w, r, str(c), "0") in got
+        for r in ("approximate", "exact"):
+            for t in kv.TIES:
+                assert (w, r, "1", str(t)) in got
+        assert (w, "oracle", "-", "0") in got
+    for (_w, r, _c, _t), (hit, balance, _req, events) in got.items():
+        assert 0.0 <= float(hit.rstrip("%")) <= 100.0
+        assert float(balance) >= 1.0
+        assert (int(events.strip(" |").replace(",", "")) > 0) == (r == "exact")
+    # The shared system prompts: a prefix router beats least-loaded by far.
+    hit = {(w, r): float(v[0].rstrip("%")) for (w, r, c, t), v in got.items() if c in "1-"}
     assert hit[("system", "exact")] > hit[("system", "least-loaded")] + 10
     assert hit[("system", "oracle")] > hit[("system", "least-loaded")] + 10
     assert "(target >= 1.3x)" in printed and "clients varies" in printed
