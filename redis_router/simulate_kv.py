@@ -46,6 +46,7 @@ import hashlib
 import heapq
 import random
 import secrets
+import statistics
 import time
 from array import array
 from collections import OrderedDict
@@ -483,6 +484,63 @@ def targets(rows: Sequence[Row]) -> list[str]:
     return lines
 
 
+def acquire_cost(url: str, *, rounds: int = 1000, tokens: int = 4096) -> dict[str, float]:
+    """Median acquire time (µs, the release after it untimed) of a new session with a
+    ``tokens``-token prompt, interleaved in a shuffled order each round: the default router;
+    prefix_cache with exact routing off (a never-seen prompt, a cached one); on, with no
+    replica exact (never seen: what exact routing costs where no stream is healthy); on, with
+    every replica exact and one holding the prompt. Each with its ratio to the default. A
+    figure for the report, not a test."""
+    from .plugins.prefix_cache import PrefixCacheRouter
+
+    tag = secrets.token_hex(3)
+    rng = random.Random(5)
+    prompt = _tokens(rng, tokens)
+    kinds = {
+        "default": RedisLoadBalancer(_servers(), redis=url, name=f"kvc-{tag}-d"),
+        "exact off, never seen": PrefixCacheRouter(_servers(), redis=url, name=f"kvc-{tag}-a"),
+        "exact off, cached": PrefixCacheRouter(_servers(), redis=url, name=f"kvc-{tag}-c"),
+        "exact on, none exact, never seen": PrefixCacheRouter(
+            _servers(), redis=url, name=f"kvc-{tag}-n", kv_block_size=BLOCK
+        ),
+        "exact on, all exact, cached": PrefixCacheRouter(
+            _servers(), redis=url, name=f"kvc-{tag}-e", kv_block_size=BLOCK
+        ),
+    }
+    client = redis.Redis.from_url(url)
+    index = KVIndex(client, f"kvc-{tag}-e", stale=3600)
+    for sid in _servers():
+        index.apply(sid, 0, 1, 0, 0.0, [])
+    held = BlockStored(chain(prompt, tokens // BLOCK), None, prompt, BLOCK)
+    index.apply("r3", 0, 1, 1, 1.0, [held])
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    clock = time.perf_counter
+    try:
+        for i in range(rounds):
+            order = list(kinds.items())
+            rng.shuffle(order)
+            for key, lb in order:
+                rid = f"c{i}"
+                fields: dict[str, Any] = {"prompt_ids": prompt}
+                if key == "default":
+                    fields = {}
+                elif key.endswith("never seen"):  # a first token no other prompt has
+                    fields = {"prompt_ids": [VOCAB + i, *prompt[1:]]}
+                t0 = clock()
+                sid, _ = lb.acquire_server(rid, **fields)
+                times[key].append(clock() - t0)
+                lb.release_server(sid, rid)
+    finally:
+        for lb in kinds.values():
+            lb.destroy()
+            lb.close()
+        for key in client.scan_iter(match=f"rr:{{kvc-{tag}-*"):
+            client.delete(key)
+        client.close()
+    med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+    return {**med, **{f"{k} ratio": v / med["default"] for k, v in med.items() if k != "default"}}
+
+
 def main(url: str, seed: int, quick: bool, out: TextIO, repeats: int = 1) -> int:
     """Run every row, print the table and the targets (``redis-router simulate --kv``)."""
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -498,4 +556,14 @@ def main(url: str, seed: int, quick: bool, out: TextIO, repeats: int = 1) -> int
     print("\n" + table(rows) + "\n", file=out)
     for line in targets(rows):
         print(line, file=out)
+    cost = acquire_cost(url, rounds=30 if quick else 1000)
+    print(
+        f"- acquire, {4096}-token prompt, new session (medians): default {cost['default']:.0f} µs;"
+        + "".join(
+            f" {k} {cost[k]:.0f} µs ({cost[k + ' ratio']:.2f}x);"
+            for k in cost
+            if k != "default" and not k.endswith("ratio")
+        ),
+        file=out,
+    )
     return 0

@@ -137,5 +137,7 @@ def test_kv_run_compares_every_router_with_1_8_and_64_clients(server, capsys):
     assert hit[("system", "exact")] > hit[("system", "least-loaded")] + 10
     assert hit[("system", "oracle")] > hit[("system", "least-loaded")] + 10
     assert "(target >= 1.3x)" in printed and "clients varies" in printed
+    assert "acquire, 4096-token prompt" in printed and "exact on, none exact" in printed
     with server.client() as c:
         assert list(c.scan_iter(match="rr:{kvsim-*")) == []
+        assert list(c.scan_iter(match="rr:{kvc-*")) == []
