@@ -25,8 +25,8 @@
 --          (kv:exact) is judged by kv:idx, and by its approximate records only while younger
 --          than lag_ms (blocks sent whose events have not arrived); the deepest prefix in
 --          tokens wins, depths less than max(block_size, kv_block_size) apart pool their
---          holders. One more HMGET of kv:idx, one of
---          kv:exact and one ZMSCORE.
+--          holders. One more HMGET of kv:idx, one of kv:exact and one ZMSCORE; when
+--          kv:exact is empty (no healthy stream) one HLEN, and the choice is as without them.
 -- Then     each new lease (balanced or sticky) records the prompt's blocks for its replica
 --          (when record = 1) as one write: blocks it received less than refresh_ms ago are
 --          left as they are, so a hot prefix costs reads, not writes; and the index is kept
@@ -200,13 +200,21 @@ local function exact_choice(i, c, hs, n)
   return least_of(pool, load)
 end
 
+-- Whether any replica's exact index may be trusted (a deadline, perhaps past: exact_choice
+-- checks): one HLEN per call, so a pool without healthy streams routes as without exact hashes.
+local has_exact = nil
+local function any_exact()
+  if has_exact == nil then has_exact = redis.call('HLEN', P .. 'kv:exact') > 0 end
+  return has_exact
+end
+
 local function choose(i)
   if deterministic then return rendezvous(ARGV[i]) end
   local rand = tonumber(ARGV[i + 2])
   local c = settings(ARGV[i + OWN])
   local hs = ARGV[i + OWN + 1]
   local n = #hs / HW
-  if ARGV[i + OWN + 4] ~= '' then
+  if ARGV[i + OWN + 4] ~= '' and any_exact() then
     local ties = exact_choice(i, c, hs, n)
     if not ties or imbalanced(c) then return least_loaded(rand) end
     return ties[rand % #ties + 1]

@@ -241,3 +241,11 @@ def test_the_asyncio_twin_routes_on_the_exact_index_too(server, make_pc, engines
             await lb.close()
 
     assert asyncio.run(main()) == list(prompts)
+
+
+def test_without_any_healthy_stream_the_approximate_index_routes(make_pc, r):
+    lb = make_pc()
+    p = prompt(8)
+    lb.record_blocks("s1", lb.block_hashes(p))
+    assert r.hlen(invariants.prefix("pcx") + "kv:exact") == 0
+    assert {route(lb, p) for _ in range(4)} == {"s1"}
