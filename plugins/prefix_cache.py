@@ -89,7 +89,7 @@ from typing import Any
 
 from redis_router import AsyncRedisLoadBalancer, RedisLoadBalancer, validation
 from redis_router.core import BalancerCore, Call, Op
-from redis_router.kv_events.hashing import block_hashes as exact_block_hashes
+from redis_router.plugins.prefix_cache_exact import ExactChains
 from redis_router.policy import RoutingPolicy
 from redis_router.scripts import Script, load_file
 
@@ -260,24 +260,6 @@ def chain_hashes(
     return list(depths), [hexed[k : k + HASH_CHARS] for k in range(0, len(hexed), HASH_CHARS)]
 
 
-def _exact_args(
-    prompt_ids: Sequence[int], kv_block_size: int, max_tokens: int, min_match: float
-) -> tuple[str, str]:
-    """The exact index's hashes of the prompt (its first ``max_tokens`` tokens) at the grid of
-    depths, concatenated, and "first blocks": the first grid entry covering ``min_match`` of
-    the prompt, and how many engine blocks it has. Token ids outside [0, 2**32) cannot be in
-    an engine's cache: no exact hashes then (the approximate index still routes)."""
-    try:
-        chain = exact_block_hashes(prompt_ids, kv_block_size, max_tokens // kv_block_size)
-    except ValueError:
-        return "", "1 0"
-    blocks = len(chain)
-    if blocks == 0:
-        return "", "1 0"
-    hexed = "".join(chain[d - 1] for d in _grid(blocks))
-    return hexed, f"{_first_counted(blocks, min_match)} {blocks}"
-
-
 def _check_hashes(block_hashes: object) -> str:
     if isinstance(block_hashes, (str, bytes)) or not isinstance(block_hashes, Sequence):
         raise TypeError("block_hashes must be a list of hashes from block_hashes()")
@@ -312,6 +294,8 @@ class PrefixCache(RoutingPolicy):
         # None means "not given" (a YAML key left empty, an explicit keyword set to None).
         self.settings = PrefixSettings(**{k: v for k, v in options.items() if v is not None})
         self._lua_settings = self.settings.lua()
+        kbs = self.settings.kv_block_size
+        self._exact = ExactChains(kbs) if kbs is not None else None
 
     def options(self) -> dict[str, Any]:
         return asdict(self.settings)
@@ -325,18 +309,19 @@ class PrefixCache(RoutingPolicy):
         s = self.settings
         depths, hexed = _prefix_hex(prompt_ids, s.block_size, s.max_prompt_blocks)
         first = _first_counted(depths[-1], s.min_match) if depths else "1"
-        if s.kv_block_size is None:
+        if self._exact is None:
             return self._lua_settings, hexed, first, "", ""
-        kv_hexed, kv_info = _exact_args(
-            prompt_ids, s.kv_block_size, s.max_prompt_blocks * s.block_size, s.min_match
-        )
-        return (
-            self._lua_settings,
-            hexed,
-            first,
-            kv_hexed,
-            f"{kv_info} {depths[-1] if depths else 0}",
-        )
+        bs = s.block_size
+        marks = [
+            (d * bs, hexed[k * HASH_CHARS : (k + 1) * HASH_CHARS]) for k, d in enumerate(depths)
+        ]
+        try:
+            kn, kv = self._exact.hashes(prompt_ids, s.max_prompt_blocks * bs, marks)
+        except ValueError:  # ids outside [0, 2**32): in no engine's cache; approximate only
+            kn, kv = 0, []
+        kfirst = _first_counted(kn, s.min_match) if kn else "1"
+        ablocks = depths[-1] if depths else 0
+        return self._lua_settings, hexed, first, "".join(kv), f"{kfirst} {kn} {ablocks}"
 
     def block_hashes(self, prompt_ids: Sequence[int]) -> list[str]:
         """The approximate index's hashes of a prompt (what :meth:`record_blocks` takes for the

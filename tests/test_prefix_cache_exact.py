@@ -249,3 +249,34 @@ def test_without_any_healthy_stream_the_approximate_index_routes(make_pc, r):
     lb.record_blocks("s1", lb.block_hashes(p))
     assert r.hlen(invariants.prefix("pcx") + "kv:exact") == 0
     assert {route(lb, p) for _ in range(4)} == {"s1"}
+
+
+def test_exact_hashes_continued_from_remembered_prefixes_equal_fresh_ones():
+    """A repeated, extended or diverging prompt resumes from a remembered prefix: the hashes it
+    sends are those block_hashes computes from scratch."""
+    from redis_router.kv_events import block_hashes
+    from redis_router.plugins.prefix_cache import PrefixCache, sample_depths
+
+    rng = random.Random(3)
+    base = [rng.randrange(50_000) for _ in range(3000)]
+    prompts = [base[:1000], base[:1000], base, base[:2500] + [7] * 300, base[:37], base[:5]]
+    prompts += [[rng.randrange(50_000) for _ in range(rng.randrange(1, 2000))] for _ in range(20)]
+    prompts += [p[: rng.randrange(1, len(p) + 1)] + [1, 2, 3] for p in prompts[:10]]
+    for kbs, bs in ((16, 32), (16, 16), (32, 16), (12, 32)):
+        policy = PrefixCache(block_size=bs, kv_block_size=kbs, max_prompt_blocks=64)
+        for p in prompts:
+            _, _, _, got, info = policy.request_args({"prompt_ids": p})
+            chain = block_hashes(p[: 64 * bs], kbs)
+            n = len(chain)
+            want = "".join(chain[d - 1] for d in sample_depths(n))
+            assert got == want, (kbs, bs, len(p))
+            assert info.split()[1:] == [str(n), str(min(len(p), 64 * bs) // bs)]
+    assert policy._exact is not None and policy._exact.memo  # prefixes were remembered
+
+
+def test_token_ids_past_uint32_give_no_exact_hashes():
+    from redis_router.plugins.prefix_cache import PrefixCache
+
+    policy = PrefixCache(kv_block_size=16)
+    _, hexed, _, kv, info = policy.request_args({"prompt_ids": [2**32, *range(100)]})
+    assert hexed and kv == "" and info.split()[1] == "0"
