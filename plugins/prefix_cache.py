@@ -39,10 +39,13 @@ Exact routing (``kv_block_size`` set to the replicas' engine block size, vLLM's
 keeps the exact index, docs/kv_events.md; a replica counts while its ``kv:exact`` deadline is
 in the future) the script reads what the engine itself reports it holds, in the same call.
 The client also hashes the prompt as the exact index does (SHA-1 chained per engine block,
-:func:`redis_router.kv_events.block_hashes`, read at the same grid of depths; ~130 µs for 4k
-tokens at 16 tokens a block, so it is off unless asked for) and step 2 becomes: the deepest
+:func:`redis_router.kv_events.block_hashes`, read at the same grid of depths; ~165 µs for a
+never-seen 4k-token prompt at 16 tokens a block, ~10 µs for one repeating a recent prompt, see
+``prefix_cache_exact.py``; so it is off unless asked for) and step 2 becomes: the deepest
 prefix, in tokens, held by an exact replica per the exact index, or by any other replica per
-the approximate index, wins; equal depths pool their holders. An exact replica's approximate
+the approximate index, wins; depths less than a block of the coarser grid apart pool their
+holders. With no replica listed in ``kv:exact`` the script costs one HLEN more and routes as
+without exact hashes. An exact replica's approximate
 records count only while younger than ``kv_event_lag``: they stand in for the events of blocks
 it was just sent and has not reported yet (a GRPO group's 8 samples arrive together, before
 the first one's prefill is published); after that the exact index is the truth, including its

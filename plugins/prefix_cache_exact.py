@@ -3,7 +3,7 @@
 Why a module of its own: the exact index keys a block by a SHA-1 chained over every engine
 block (``redis_router.kv_events.block_hashes``: an event carries only its own blocks, so each
 hash must continue from its parent's), which costs one SHA-1 per 16 tokens in the client,
-~130 µs for 4k tokens. Most prompts a router sees repeat or extend one it saw a moment ago (a
+~165 µs for 4k tokens. Most prompts a router sees repeat or extend one it saw a moment ago (a
 GRPO group's 8 samples, the next turn of a session, a shared system prompt), so
 :class:`ExactChains` remembers where the chain stood at each sampled depth of recent prompts
 and continues from the deepest one this prompt shares: only its new blocks are hashed.

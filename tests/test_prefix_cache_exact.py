@@ -261,7 +261,7 @@ def test_exact_hashes_continued_from_remembered_prefixes_equal_fresh_ones():
     base = [rng.randrange(50_000) for _ in range(3000)]
     prompts = [base[:1000], base[:1000], base, base[:2500] + [7] * 300, base[:37], base[:5]]
     prompts += [[rng.randrange(50_000) for _ in range(rng.randrange(1, 2000))] for _ in range(20)]
-    prompts += [p[: rng.randrange(1, len(p) + 1)] + [1, 2, 3] for p in prompts[:10]]
+    prompts += [[*p[: rng.randrange(1, len(p) + 1)], 1, 2, 3] for p in prompts[:10]]
     for kbs, bs in ((16, 32), (16, 16), (32, 16), (12, 32)):
         policy = PrefixCache(block_size=bs, kv_block_size=kbs, max_prompt_blocks=64)
         for p in prompts:
