@@ -195,7 +195,11 @@ local function exact_choice(i, c, hs, n)
   if not eset or atok >= etok + tol then
     pool = aset
   elseif aset and atok > etok - tol then
-    for _, id in ipairs(aset) do pool[#pool + 1] = id end
+    local have = {}
+    for _, id in ipairs(eset) do have[id] = true end
+    for _, id in ipairs(aset) do
+      if not have[id] then pool[#pool + 1] = id end
+    end
   end
   return least_of(pool, load)
 end
