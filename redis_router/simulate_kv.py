@@ -460,9 +460,10 @@ def targets(rows: Sequence[Row]) -> list[str]:
             )
         if ex and orc:
             gap = 1 - ex.hit_rate / orc.hit_rate if orc.hit_rate else 0.0
+            where = f"{gap:.1%} below" if gap >= 0 else f"{-gap:.1%} above"
             lines.append(
-                f"- {w}: exact {ex.hit_rate:.1%} vs oracle {orc.hit_rate:.1%}: {gap:.1%} below "
-                f"(target <= 5%): {'met' if gap <= 0.05 else 'NOT met'}"
+                f"- {w}: exact {ex.hit_rate:.1%} vs oracle {orc.hit_rate:.1%}: {where} "
+                f"(target <= 5% below): {'met' if gap <= 0.05 else 'NOT met'}"
             )
         for k in ("approximate", "exact"):
             by_clients = [r for (kk, _), r in main.items() if kk == k]
