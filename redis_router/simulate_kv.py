@@ -6,9 +6,9 @@ it; once caches evict, it sends prompts to replicas that no longer hold them. Th
 (``redis-router kv-events``) knows what each engine holds. This measures what that is worth,
 and whether many uncoordinated routing clients sharing one index route as well as one.
 
-Model. One process, virtual time paced against the wall clock (``speed`` virtual seconds per
-wall second: Redis's clock, which the index's ttl and ``kv_event_lag`` are read against, moves
-with it; options given in seconds are divided by ``speed``). Each replica has an LRU KV cache
+Model. One process, virtual time paced against the wall clock (at most ``speed`` virtual
+seconds per wall second; the router options read on Redis's clock, ``index_ttl`` and
+``kv_event_lag``, are passed divided by ``speed``). Each replica has an LRU KV cache
 of ``cache_blocks`` blocks of BLOCK tokens, keyed by chained block hashes as in vLLM; a
 request's prompt blocks enter it when the request is admitted (a later request on the same
 replica finds them), its output blocks when it ends; evicting frees the tail of a prompt
@@ -32,12 +32,16 @@ its own connection and random tie-break, share the index.
 Workloads: ``multi-turn`` (agent sessions of 4 turns, sticky, a 256-token system prompt shared
 by all, tool calls of 1-3 s between turns), ``grpo`` (768-1535-token prompts sampled n = 8
 times at once under 8 request ids), ``system`` (24 system prompts of 1,536 tokens, popularity
-1/rank, each request adding a 128-token question). SESSIONS closed-loop sessions keep the
-pool busy.
+1/rank, each request adding a 128-token question). ``Params.sessions`` closed-loop sessions
+keep the pool busy (the full run: 192, 24 requests in flight per replica, whose 512-block cache
+is far smaller than what they use: KV pressure).
 
 Columns: token hit rate = cached prompt tokens / prompt tokens; max/mean in-flight =
 time-weighted mean, while at least BUSY of the sessions are in flight (as ``simulate``
-samples it), of the busiest replica's in-flight count over the mean.
+samples it), of the busiest replica's in-flight count over the mean. Rows with tie-breaks 1
+and 2 rerun approximate and exact with one client drawing other tie-break streams: the noise
+floor the client counts are judged against. ``--repeats N`` makes each row the mean of N runs.
+The run ends with the acquire cost of exact routing (:func:`acquire_cost`).
 """
 
 from __future__ import annotations
