@@ -1,14 +1,19 @@
 -- prefix_cache.lua: route requests to the replica holding the longest prefix of their prompt,
 -- and take a lease for each, atomically. Built on lib/acquiring.lua's acquire_all, so retries,
 -- sticky sessions, leases, draining and removal behave exactly as in the core's acquire.lua.
--- KEYS[1]  key prefix "rr:{NAME}:" (index keys: see prefix_cache_index.lua)
+-- KEYS[1]  key prefix "rr:{NAME}:" (index keys: see prefix_cache_index.lua, kv_index_lib.lua)
 -- ARGV[1..HEAD] as acquire.lua (ARGV[5] = 1: full_determinism, rendezvous hashing, no prefix)
 -- ARGV[HEAD + 1..] per request: the core's OWN (request id, lease token, random integer, group
---          id), then settings, block hashes, first. settings = "abs rel ttl_ms max_blocks budget record refresh_ms"
+--          id), then settings, block hashes, first, exact hashes, exact info. settings = "abs
+--          rel ttl_ms max_blocks budget record refresh_ms lag_ms block_size kv_block_size"
 --          (space separated, the same for every request of a call); block hashes = the
 --          prompt's prefix hashes at its sampled depths, 16 hex characters each, concatenated
 --          (or empty); first = the first of them deep enough to count (min_match of the
---          prompt: the client knows the depths, the script needs only this).
+--          prompt: the client knows the depths, the script needs only this). Exact hashes =
+--          the exact index's hashes of the prompt (engine blocks of kv_block_size tokens) at
+--          the same grid of depths, concatenated, and exact info = "first engine_blocks
+--          blocks" (the first exact hash deep enough to count, the prompt's engine blocks and
+--          its blocks of block_size); both empty when exact routing is off.
 -- Choice   for a new session: least loaded (random tie-break) if the pool is imbalanced
 --          (max - min > abs and max > rel * min, in-flight counts of the replicas taking new
 --          sessions), if the prompt has no full block, or if no live replica holds one of the
@@ -16,15 +21,20 @@
 --          hash (random tie-break). The deepest and the first hash are read first (a repeated
 --          prompt, or a never-seen one, costs one HMGET of two), else all of them with one
 --          more HMGET, scanned from the deepest. The imbalance test runs only when a prefix
---          would decide.
+--          would decide. With exact hashes: a replica whose exact index is trusted now
+--          (kv:exact) is judged by kv:idx, and by its approximate records only while younger
+--          than lag_ms (blocks sent whose events have not arrived); the deepest prefix in
+--          tokens wins, depths less than max(block_size, kv_block_size) apart pool their
+--          holders. One more HMGET of kv:idx, one of kv:exact and one ZMSCORE; when
+--          kv:exact is empty (no healthy stream) one HLEN, and the choice is as without them.
 -- Then     each new lease (balanced or sticky) records the prompt's blocks for its replica
 --          (when record = 1) as one write: blocks it received less than refresh_ms ago are
 --          left as they are, so a hot prefix costs reads, not writes; and the index is kept
---          within its bounds.
+--          within its bounds. The exact index is never written here.
 -- Returns  as acquire.lua. Error NOSERVERS as acquire.lua, with nothing written.
 -- Keeps    I1, I3, I6 (via acquire_all; holders outside P.."load" are never chosen), I4 (ties
 --          broken by client entropy, never Lua's RNG), I5 (under full_determinism), I7.
--- Uses     lib/base, lib/holders, lib/admission, lib/picking, lib/acquiring, prefix_cache_index
+-- Uses     lib/base, lib/holders, lib/admission, lib/picking, lib/acquiring, prefix_cache_index, kv_index_lib
 local deterministic = ARGV[5] == '1'
 local now = pc_us -- us, Redis clock (prefix_cache_index.lua)
 local cfg = nil
@@ -34,11 +44,12 @@ local ends = {}   -- ARGV index of a request -> its deepest and first blocks' ho
 
 local function settings(s)
   if not cfg then
-    local abs, rel, ttl, max_blocks, budget, record, refresh =
-      string.match(s, '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+)$')
+    local abs, rel, ttl, max_blocks, budget, record, refresh, lag, bs, kbs =
+      string.match(s, '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+)$')
     cfg = { abs = tonumber(abs), rel = tonumber(rel), ttl = tonumber(ttl) * 1000,
             max_blocks = tonumber(max_blocks), budget = tonumber(budget),
-            record = record == '1', refresh = tonumber(refresh) * 1000 }
+            record = record == '1', refresh = tonumber(refresh) * 1000,
+            lag = tonumber(lag) * 1000, bs = tonumber(bs), kbs = tonumber(kbs) }
   end
   return cfg
 end
@@ -97,12 +108,121 @@ local function best_holders(v, since)
   return ties
 end
 
+-- The k-th depth (in blocks) of the grid of a prompt of `blocks` blocks: every depth up to 8,
+-- then four per doubling, then the prompt's own length (prefix_cache.py's sample_depths).
+local function grid_depth(blocks, k)
+  local j, c = 1, 0
+  while j <= blocks do
+    c = c + 1
+    if c == k then return j end
+    local b, x = 0, j
+    while x > 0 do b, x = b + 1, math.floor(x / 2) end
+    j = j + 2 ^ math.max(0, b - 3)
+  end
+  return blocks
+end
+
+-- Of the replicas in list ids (with their loads), the least loaded ones, sorted (pairs() and
+-- holder order vary; ties are broken by client entropy).
+local function least_of(ids, load)
+  local best, ties = nil, {}
+  for _, id in ipairs(ids) do
+    local l = load[id]
+    if not best or l < best then best, ties = l, { id } elseif l == best then ties[#ties + 1] = id end
+  end
+  table.sort(ties)
+  return ties
+end
+
+-- Exact routing for request i (exact hashes given): the holders of the deepest prefix, in
+-- tokens, per the exact index for exact replicas and the approximate one for the rest (and
+-- for exact replicas' records younger than lag), least loaded first; nil when none.
+local function exact_choice(i, c, hs, n)
+  local kh = ARGV[i + OWN + 3]
+  local kfirst, kblocks, ablocks = string.match(ARGV[i + OWN + 4], '^(%d+) (%d+) (%d+)$')
+  kfirst, kblocks, ablocks = tonumber(kfirst), tonumber(kblocks), tonumber(ablocks)
+  local kn = #kh / HW
+  local kheld = kn > 0 and kv_holders(split_hashes(kh), kn) or {}
+  local avals, afirst = {}, tonumber(ARGV[i + OWN + 2])
+  if n > 0 then
+    local _, v = holder_lists(i, hs, n)
+    avals = v
+  end
+  local ids, known = {}, {}
+  for j = kfirst, kn do
+    for id in pairs(kheld[j] or {}) do
+      if not known[id] then known[id] = true; ids[#ids + 1] = id end
+    end
+  end
+  for k = afirst, n do
+    for id in string.gmatch(avals[k] or '', '([^\31]+)\31%d+\31') do
+      if not known[id] then known[id] = true; ids[#ids + 1] = id end
+    end
+  end
+  if #ids == 0 then return nil end
+  local exact = kv_exact_of(ids, math.floor(now / 1000))
+  local scores = redis.call('ZMSCORE', P .. 'load', unpack(ids))
+  local load = {}
+  for k = 1, #ids do load[ids[k]] = scores[k] and tonumber(scores[k]) end
+  local etok, eset = 0, nil
+  for j = kn, kfirst, -1 do
+    local got = {}
+    for id in pairs(kheld[j] or {}) do
+      if exact[id] and load[id] then got[#got + 1] = id end
+    end
+    if #got > 0 then
+      etok, eset = grid_depth(kblocks, j) * c.kbs, got
+      break
+    end
+  end
+  local since, pending = now - c.ttl, now - c.lag
+  local atok, aset = 0, nil
+  for k = n, afirst, -1 do
+    local got = {}
+    for id, us in string.gmatch(avals[k] or '', '([^\31]+)\31(%d+)\31') do
+      if load[id] and tonumber(us) >= (exact[id] and pending or since) then got[#got + 1] = id end
+    end
+    if #got > 0 then
+      atok, aset = grid_depth(ablocks, k) * c.bs, got
+      break
+    end
+  end
+  if not eset and not aset then return nil end
+  -- Depths less than a block of the coarser grid apart name the same prefix (each index
+  -- drops its own partial last block): pooled.
+  local tol = math.max(c.bs, c.kbs)
+  local pool = eset
+  if not eset or atok >= etok + tol then
+    pool = aset
+  elseif aset and atok > etok - tol then
+    local have = {}
+    for _, id in ipairs(eset) do have[id] = true end
+    for _, id in ipairs(aset) do
+      if not have[id] then pool[#pool + 1] = id end
+    end
+  end
+  return least_of(pool, load)
+end
+
+-- Whether any replica's exact index may be trusted (a deadline, perhaps past: exact_choice
+-- checks): one HLEN per call, so a pool without healthy streams routes as without exact hashes.
+local has_exact = nil
+local function any_exact()
+  if has_exact == nil then has_exact = redis.call('HLEN', P .. 'kv:exact') > 0 end
+  return has_exact
+end
+
 local function choose(i)
   if deterministic then return rendezvous(ARGV[i]) end
   local rand = tonumber(ARGV[i + 2])
   local c = settings(ARGV[i + OWN])
   local hs = ARGV[i + OWN + 1]
   local n = #hs / HW
+  if ARGV[i + OWN + 4] ~= '' and any_exact() then
+    local ties = exact_choice(i, c, hs, n)
+    if not ties or imbalanced(c) then return least_loaded(rand) end
+    return ties[rand % #ties + 1]
+  end
   if n == 0 then return least_loaded(rand) end
   local since = now - c.ttl
   local top = ends_of(i, hs, n)
@@ -144,7 +264,7 @@ local function granted(i, id, token)
   seen[i], ends[i] = nil, nil
 end
 
-local out = acquire_all(OWN + 3, { choose = choose, granted = granted })
+local out = acquire_all(OWN + 5, { choose = choose, granted = granted })
 if out.err or #ARGV <= HEAD then return out end
 local c = settings(ARGV[HEAD + 1 + OWN])
 bound_index(now, c.ttl, c.max_blocks, c.budget, total)

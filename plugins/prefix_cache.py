@@ -33,10 +33,23 @@ Algorithm (the policy of SGLang's cache-aware router, on an approximate index in
    ``prefix_cache_index.lua`` (``rr:{NAME}:pc:idx``, ``pc:lru``, ``pc:n``).
 
 The index is approximate: it assumes a replica keeps what it was sent for ``index_ttl``.
-Exact mode: set ``record_on_acquire: false`` and feed the replicas' KV-cache events through
-:meth:`PrefixCacheRouter.record_blocks` / :meth:`~PrefixCacheRouter.evict_blocks`, with hashes
-made by :meth:`~PrefixCacheRouter.block_hashes` from the blocks' token ids (vLLM's
-``BlockStored`` events carry them); a router block counts as held once all its tokens are.
+
+Exact routing (``kv_block_size`` set to the replicas' engine block size, vLLM's
+``--block-size``): for replicas whose KV-events stream is healthy (``redis-router kv-events``
+keeps the exact index, docs/kv_events.md; a replica counts while its ``kv:exact`` deadline is
+in the future) the script reads what the engine itself reports it holds, in the same call.
+The client also hashes the prompt as the exact index does (SHA-1 chained per engine block,
+:func:`redis_router.kv_events.block_hashes`, read at the same grid of depths; ~165 µs for a
+never-seen 4k-token prompt at 16 tokens a block, ~10 µs for one repeating a recent prompt, see
+``prefix_cache_exact.py``; so it is off unless asked for) and step 2 becomes: the deepest
+prefix, in tokens, held by an exact replica per the exact index, or by any other replica per
+the approximate index, wins; depths less than a block of the coarser grid apart pool their
+holders. With no replica listed in ``kv:exact`` the script costs one HLEN more and routes as
+without exact hashes. An exact replica's approximate
+records count only while younger than ``kv_event_lag``: they stand in for the events of blocks
+it was just sent and has not reported yet (a GRPO group's 8 samples arrive together, before
+the first one's prefill is published); after that the exact index is the truth, including its
+evictions. So record_on_acquire keeps recording for every replica.
 
 Options (YAML keys beside ``router_class``, or keyword arguments; the core's options such as
 ``redis``, ``name``, ``sticky_ttl``, ``lease_ttl`` pass through):
@@ -53,8 +66,14 @@ Options (YAML keys beside ``router_class``, or keyword arguments; the core's opt
 - ``max_index_blocks`` (100_000): bound on the index, in hashes recorded (a hash recorded
   for two replicas, or twice for one, counts twice); about 160 bytes per hash recorded.
 - ``max_prompt_blocks`` (1024): blocks of a prompt looked at (32k tokens); later ones ignored.
-- ``record_on_acquire`` (true): record blocks on acquire (approximate mode); false for exact
-  mode.
+- ``record_on_acquire`` (true): record blocks on acquire; false when only
+  :meth:`PrefixCacheRouter.record_blocks` / :meth:`~PrefixCacheRouter.evict_blocks` feed the
+  approximate index (hashes from :meth:`~PrefixCacheRouter.block_hashes`).
+- ``kv_block_size`` (None): the engine's KV block size in tokens; set it to route on the exact
+  index for the replicas whose stream is exact (None: the approximate index only, and the
+  client computes no exact hashes).
+- ``kv_event_lag`` (2 s): how long an acquire's approximate record stands in for an exact
+  replica's KV events that have not reached the index yet.
 
 Under ``full_determinism`` new sessions are placed by rendezvous hashing as in the core (I5).
 """
@@ -73,6 +92,7 @@ from typing import Any
 
 from redis_router import AsyncRedisLoadBalancer, RedisLoadBalancer, validation
 from redis_router.core import BalancerCore, Call, Op
+from redis_router.plugins.prefix_cache_exact import ExactChains
 from redis_router.policy import RoutingPolicy
 from redis_router.scripts import Script, load_file
 
@@ -106,6 +126,8 @@ class PrefixSettings:
     max_index_blocks: int = 100_000
     max_prompt_blocks: int = 1024
     record_on_acquire: bool = True
+    kv_block_size: int | None = None
+    kv_event_lag: float = 2.0
 
     def __post_init__(self) -> None:
         _int(self.block_size, "block_size", 1)
@@ -115,6 +137,9 @@ class PrefixSettings:
         _number(self.balance_rel_threshold, "balance_rel_threshold", 1)
         _number(self.min_match, "min_match", 0, 1)
         validation.seconds(self.index_ttl, "index_ttl")
+        if self.kv_block_size is not None:
+            _int(self.kv_block_size, "kv_block_size", 1)
+        _number(self.kv_event_lag, "kv_event_lag", 0)
         if not isinstance(self.record_on_acquire, bool):
             raise TypeError(
                 f"record_on_acquire must be a bool, got {type(self.record_on_acquire).__name__}"
@@ -129,7 +154,8 @@ class PrefixSettings:
         return (
             f"{self.balance_abs_threshold!r} {self.balance_rel_threshold!r} "
             f"{self.ttl_ms} {self.max_index_blocks} {INDEX_TRIM_BUDGET} "
-            f"{int(self.record_on_acquire)} {max(1, self.ttl_ms // 16)}"
+            f"{int(self.record_on_acquire)} {max(1, self.ttl_ms // 16)} "
+            f"{round(self.kv_event_lag * 1000)} {self.block_size} {self.kv_block_size or 0}"
         )
 
 
@@ -264,30 +290,45 @@ class PrefixCache(RoutingPolicy):
     name = "prefix_cache"
     script_path = _HERE / "prefix_cache.lua"
     acquire_fields = ("prompt_ids",)
-    arity = 3
+    arity = 5
     locality_keys = ("pc:idx", "pc:lru", "pc:n")
 
     def __init__(self, **options: Any) -> None:
         # None means "not given" (a YAML key left empty, an explicit keyword set to None).
         self.settings = PrefixSettings(**{k: v for k, v in options.items() if v is not None})
         self._lua_settings = self.settings.lua()
+        kbs = self.settings.kv_block_size
+        self._exact = ExactChains(kbs) if kbs is not None else None
 
     def options(self) -> dict[str, Any]:
         return asdict(self.settings)
 
     def request_args(self, fields: Mapping[str, Any]) -> tuple[str, ...]:
-        """(settings, prefix hashes, first counted depth): prefix_cache.lua's arguments."""
+        """(settings, prefix hashes, first counted depth, exact hashes, exact info):
+        prefix_cache.lua's arguments. The last two are empty unless ``kv_block_size`` is set."""
         prompt_ids = fields.get("prompt_ids")
         if prompt_ids is None:
-            return self._lua_settings, "", "1"
+            return self._lua_settings, "", "1", "", ""
         s = self.settings
         depths, hexed = _prefix_hex(prompt_ids, s.block_size, s.max_prompt_blocks)
         first = _first_counted(depths[-1], s.min_match) if depths else "1"
-        return self._lua_settings, hexed, first
+        if self._exact is None:
+            return self._lua_settings, hexed, first, "", ""
+        bs = s.block_size
+        marks = [
+            (d * bs, hexed[k * HASH_CHARS : (k + 1) * HASH_CHARS]) for k, d in enumerate(depths)
+        ]
+        try:
+            kn, kv = self._exact.hashes(prompt_ids, s.max_prompt_blocks * bs, marks)
+        except ValueError:  # ids outside [0, 2**32): in no engine's cache; approximate only
+            kn, kv = 0, []
+        kfirst = _first_counted(kn, s.min_match) if kn else "1"
+        ablocks = depths[-1] if depths else 0
+        return self._lua_settings, hexed, first, "".join(kv), f"{kfirst} {kn} {ablocks}"
 
     def block_hashes(self, prompt_ids: Sequence[int]) -> list[str]:
-        """The index's hashes of a prompt (what exact mode records for the tokens a replica
-        holds): one per sampled depth, see :func:`sample_depths`."""
+        """The approximate index's hashes of a prompt (what :meth:`record_blocks` takes for the
+        tokens a replica holds): one per sampled depth, see :func:`sample_depths`."""
         s = self.settings
         return chain_hashes(prompt_ids, s.block_size, s.max_prompt_blocks)[1]
 
@@ -325,17 +366,19 @@ class _IndexOps:
 
 class PrefixCacheRouter(_IndexOps, RedisLoadBalancer):
     """A :class:`~redis_router.RedisLoadBalancer` with the :class:`PrefixCache` policy, and
-    the index's maintenance for exact mode."""
+    the approximate index's maintenance by hand (the exact index is written by
+    ``redis-router kv-events``)."""
 
     default_policy = PrefixCache
 
     def record_blocks(self, server_id: str, block_hashes: Sequence[str]) -> int:
-        """Exact mode: the replica now holds these blocks. Returns how many were recorded (0 if
-        the replica is not in the pool)."""
+        """The replica now holds these blocks (the approximate index, fed by hand). Returns
+        how many were recorded (0 if the replica is not in the pool)."""
         return self._run(self._blocks_op("record", server_id, block_hashes))
 
     def evict_blocks(self, server_id: str, block_hashes: Sequence[str]) -> int:
-        """Exact mode: the replica dropped these blocks. Returns how many entries went."""
+        """The replica dropped these blocks (the approximate index, fed by hand). Returns how
+        many entries went."""
         return self._run(self._blocks_op("evict", server_id, block_hashes))
 
     def clear_index(self) -> int:

@@ -459,6 +459,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead: the locality/balance trade of RL rollouts (sticky only, a global gate, "
         "affinity margins, groups, prefix-cache), in virtual time (redis_router.simulate_rl)",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="with --kv: runs (each with other tie-break streams) averaged per row",
+    )
+    parser.add_argument(
+        "--kv",
+        action="store_true",
+        help="instead: routing on the replicas' KV-cache events (least-loaded, approximate, "
+        "exact, oracle) under KV pressure, with 1, 8 and 64 routing clients, in virtual time "
+        "(redis_router.simulate_kv)",
+    )
 
 
 def _quick(args: argparse.Namespace) -> argparse.Namespace:
@@ -533,6 +546,12 @@ def run(args: argparse.Namespace) -> int:
         with given_or_private_redis(getattr(args, "redis", None)) as (url, where):
             print(f"simulate --rl: {simulate_rl.REPLICAS} replicas, {where}", file=sys.stdout)
             return simulate_rl.main(url, args.seed, args.quick, sys.stdout)
+    if args.kv:
+        from . import simulate_kv
+
+        with given_or_private_redis(getattr(args, "redis", None)) as (url, where):
+            print(f"simulate --kv: {where}", file=sys.stdout)
+            return simulate_kv.main(url, args.seed, args.quick, sys.stdout, args.repeats)
     if args.quick:
         args = _quick(args)
     workloads = [w for w in args.workloads.split(",") if w]

@@ -88,3 +88,56 @@ def test_rl_trade_moves_sessions_only_with_a_margin_or_the_gate(server):
     for r in rows.values():
         assert 0.0 <= r.hit_rate <= 1.0 and r.makespan > 0
     assert rows[("grpo", "groups, cap 8")].hit_rate > rows[("grpo", "sticky only")].hit_rate
+
+
+def test_kv_replica_reports_what_it_caches_and_evicts_as_events():
+    from redis_router import simulate_kv as kv
+    from redis_router.kv_events import BlockRemoved, BlockStored
+
+    rep = kv.Replica(capacity=4)
+    a = list(range(3 * kv.BLOCK))
+    ha = kv.chain(a, 3)
+    rep.store(a, ha)
+    assert rep.pending == [BlockStored(ha, None, a, kv.BLOCK)]
+    b = a[: 2 * kv.BLOCK] + list(range(1000, 1000 + 2 * kv.BLOCK))
+    hb = kv.chain(b, 4)
+    assert hb[:2] == ha[:2] and rep.cached(hb) == 2
+    rep.pending.clear()
+    rep.store(b, hb)  # two new blocks on a's first two; a's tail block is evicted first
+    assert rep.pending == [
+        BlockStored(hb[2:], hb[1], b[2 * kv.BLOCK :], kv.BLOCK),
+        BlockRemoved([ha[2]]),
+    ]
+    assert rep.cached(ha) == 2 and rep.cached(hb) == 4
+
+
+def test_kv_run_compares_every_router_with_1_8_and_64_clients(server, capsys):
+    """Virtual time, seeded tie-breaks: structure and sanity, not the targets."""
+    from redis_router import simulate_kv as kv
+
+    assert simulate.main(["--kv", "--quick", "--redis", server.url]) == 0
+    printed = capsys.readouterr().out
+    rows = [line.split(" | ") for line in printed.splitlines() if line.startswith("| ")]
+    # (workload, router, clients, tie-breaks) -> hit rate, max/mean, requests, events
+    got = {tuple([r[0][2:], *r[1:4]]): r[4:] for r in rows if r[1] in kv.ROUTERS}
+    for w in kv.WORKLOADS:
+        for r in ("least-loaded", "approximate", "exact"):
+            for c in kv.CLIENTS:
+                assert (w, r, str(c), "0") in got
+        for r in ("approximate", "exact"):
+            for t in kv.TIES:
+                assert (w, r, "1", str(t)) in got
+        assert (w, "oracle", "-", "0") in got
+    for (_w, r, _c, _t), (hit, balance, _req, events) in got.items():
+        assert 0.0 <= float(hit.rstrip("%")) <= 100.0
+        assert float(balance) >= 1.0
+        assert (int(events.strip(" |").replace(",", "")) > 0) == (r == "exact")
+    # The shared system prompts: a prefix router beats least-loaded by far.
+    hit = {(w, r): float(v[0].rstrip("%")) for (w, r, c, t), v in got.items() if c in "1-"}
+    assert hit[("system", "exact")] > hit[("system", "least-loaded")] + 10
+    assert hit[("system", "oracle")] > hit[("system", "least-loaded")] + 10
+    assert "(target >= 1.3x)" in printed and "clients varies" in printed
+    assert "acquire, 4096-token prompt" in printed and "exact on, none exact" in printed
+    with server.client() as c:
+        assert list(c.scan_iter(match="rr:{kvsim-*")) == []
+        assert list(c.scan_iter(match="rr:{kvc-*")) == []
