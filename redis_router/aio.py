@@ -320,7 +320,7 @@ class AsyncRedisLoadBalancer:
     ) -> Grant:
         if self._acquires is None:
             tokens = [token] if token is not None else None
-            return (await self._acquire([request_id], tokens, [fields]))[0]
+            return (await self._acquire([request_id], tokens, [fields] if fields else None))[0]
         # The policy's arguments are made (and checked) here: bad fields fail their own
         # caller, never the batch it would have joined.
         args = self._core.request_args(request_id, fields)

@@ -209,20 +209,21 @@ class RedisLoadBalancer:
         wait: float | None = None,
     ) -> list[Grant]:
         core = self._core
-        budget = core.wait_timeout if wait is None else health.wait_seconds(wait)
-        deadline = time.monotonic() + budget
+        started = time.monotonic()
         while True:
             try:
                 return self._run(core.acquire(request_ids, tokens, fields))
             except ReplicaEjected as exc:  # a sticky session waits for its replica's return
-                left = deadline - time.monotonic()
+                budget = core.wait_timeout if wait is None else wait
+                left = started + budget - time.monotonic()
                 if left <= 0:
                     raise
                 time.sleep(min(left, exc.seconds_left + EJECTION_SLACK))
             except NoCapacity:
+                budget = core.wait_timeout if wait is None else wait
                 if budget <= 0:
                     raise
-                return self._wait_for_place(request_ids, tokens, fields, budget, deadline)
+                return self._wait_for_place(request_ids, tokens, fields, budget, started + budget)
 
     def _wait_for_place(
         self,
@@ -298,7 +299,7 @@ class RedisLoadBalancer:
         ``wait``: seconds to wait for a place when every eligible replica is full (default
         the balancer's ``wait_timeout``; 0 raises NoCapacity at once). Returns (id, handle)."""
         rid = validation.request_id(request_id)
-        g = self._acquire([rid], None, [fields], _wait(wait))[0]
+        g = self._acquire([rid], None, [fields] if fields else None, _wait(wait))[0]
         return g.server_id, g.handle
 
     def acquire_many(
@@ -325,7 +326,9 @@ class RedisLoadBalancer:
         ``wait``: as acquire_server."""
         rid = validation.request_id(request_id)
         tokens = [validation.token(token)] if token is not None else None
-        return Lease(self, self._acquire([rid], tokens, [fields], _wait(wait))[0])
+        return Lease(
+            self, self._acquire([rid], tokens, [fields] if fields else None, _wait(wait))[0]
+        )
 
     @contextmanager
     def lease(

@@ -534,7 +534,34 @@ class BalancerCore:
         token: str | None = None,
         failed: bool = False,
     ) -> Op[bool]:
-        return (yield from self.release_many([(server_id, request_id, token)], [failed]))[0]
+        if failed or self.ejection:
+            return (yield from self.release_many([(server_id, request_id, token)], [failed]))[0]
+        # The common case: one release, no health marks (release_many does the same per item).
+        argv = (server_id, request_id or "", self._named(server_id, request_id, token), new_token())
+        return self._ended((yield Call(self._release, argv))[0])
+
+    def _named(self, server_id: str, request_id: str | None, token: str | None) -> str:
+        """The token a release sends: its own, else this holder's latest lease of the request
+        there as a hint ("?token"), else none; the lease leaves the local ledger now, even if
+        the call fails (reconcile() ends it then)."""
+        if request_id:
+            latest = self.latest
+            mine = latest.pop((server_id, request_id), None)
+            if mine is not None:
+                if token is None:
+                    token = HINT + mine
+                elif mine != token:
+                    latest[(server_id, request_id)] = mine
+        if not token:
+            return ""
+        self.held.pop(token.lstrip(HINT), None)
+        return token
+
+    def _ended(self, outcome: Any) -> bool:
+        """A release's outcome: True if a lease ended (its token, or 1 for a resent copy)."""
+        if isinstance(outcome, (str, bytes)):  # a release by request or replica: its token
+            self.held.pop(_str(outcome), None)
+        return bool(outcome != 0)
 
     def release_many(
         self,
@@ -547,7 +574,6 @@ class BalancerCore:
         ``failed`` (one flag per release): the request failed, which counts toward ejecting
         its replica (passive health); any other release clears the replica's streak."""
         flat: list[str] = []
-        held, latest = self.held, self.latest
         ops = new_operations(len(releases))
         if failed is not None or self.ejection:
             # "!": the request failed; "+": it succeeded and ends a failure streak (only
@@ -556,21 +582,8 @@ class BalancerCore:
             bad = failed or [False] * len(ops)
             ops = [("!" if b else ok) + op for op, b in zip(ops, bad, strict=True)]
         for (server_id, request_id, token), op in zip(releases, ops, strict=True):
-            if request_id:
-                mine = latest.pop((server_id, request_id), None)
-                if token is None and mine is not None:
-                    token = HINT + mine  # "?token": this holder's lease of the request
-                elif mine is not None and mine != token:
-                    latest[(server_id, request_id)] = mine
-            flat += (server_id, request_id or "", token or "", op)
-            if token:
-                held.pop(token.lstrip(HINT), None)  # even if the call fails: reconcile() ends it
-        done = []
-        for outcome in (yield Call(self._release, tuple(flat))):
-            if isinstance(outcome, (str, bytes)):  # a release by request or replica: its token
-                held.pop(_str(outcome), None)
-            done.append(outcome != 0)
-        return done
+            flat += (server_id, request_id or "", self._named(server_id, request_id, token), op)
+        return [self._ended(outcome) for outcome in (yield Call(self._release, tuple(flat)))]
 
     def renew(self, token: str) -> Op[bool]:
         """Restart the lease's age (max_lease_age); liveness needs no renewal."""
