@@ -48,7 +48,9 @@ from redis_router.plugins.prefix_cache import (
 from . import invariants
 from .model import EJECT_AFTER, MAX_EJECTED, Model, NoServers, PrefixPolicy, Prompt
 
-LEASE_TTL = 0.5
+# Long enough that a stall slowed down 4x by a loaded 2-core machine stays inside a live
+# holder's slack (Stall.join), short enough that dead holders are reclaimed within a step.
+LEASE_TTL = 0.8
 MARGIN = 0.02  # slack (s) around a dead holder's deadline: the ms clock and the round trip
 STEP = 0.15  # a step that could end past a dead holder's deadline waits for it first
 PROCESSES = 3

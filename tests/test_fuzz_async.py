@@ -123,7 +123,7 @@ class AsyncMachine(BalancerMachine):
         present = set(self.r.hkeys(self.p + "leases"))
         explained = self._explain(p, acquires, got_acquires, releases, got_releases, t0, t1)
         consistent = [m for m in explained if set(m.leases) == present]
-        assert consistent, (acquires, got_acquires, releases, got_releases, self.model)
+        assert consistent, (acquires, got_acquires, releases, got_releases, self.model, present)
         self.gone += [t for t in self.model.leases if t not in present]
         self.model = consistent[0]
 

@@ -166,7 +166,7 @@ local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
 end
 
 -- The acquire procedure every router shares (the core's acquire.lua and plugins' scripts).
--- ARGV[1] holder's lease ttl (ms: its heartbeat deadline is kept at least half this ahead),
+-- ARGV[1] holder's lease ttl (ms: its heartbeat deadline is pushed to now + this),
 -- ARGV[2] sticky bucket width (ms), ARGV[3] sticky ttl (ms), ARGV[4] buckets to search back,
 -- ARGV[5] router flag (core: 1 = full_determinism), ARGV[6] holder, ARGV[7] affinity margin,
 -- ARGV[8] affinity ratio ("" = off: a sticky session stays however loaded its replica is),
@@ -194,15 +194,11 @@ local function acquire_all(stride, policy)
   local span, holder = tonumber(ARGV[4]), ARGV[6]
   local now = now_ms()
   local cur = math.floor(now / width)
-  -- An acquire keeps its holder alive (a read while its deadline is over half a lease ttl
-  -- ahead, as the keeper's heartbeats keep it) and reaps nothing: the holders' keepers do,
+  -- An acquire is a heartbeat of its holder, and reaps nothing: the holders' keepers do,
   -- in short calls of their own, so no acquire is slowed by another process's crash.
-  local deadline = redis.call('ZSCORE', P .. 'holders', holder)
-  if not deadline or tonumber(deadline) - now < lease_ms / 2 then
-    local mismatch = heartbeat(holder, now, lease_ms, ARGV[3], ARGV[7], ARGV[8], ARGV[9],
-      ARGV[10], ARGV[11])
-    if mismatch then return mismatch end
-  end
+  local mismatch = heartbeat(holder, now, lease_ms, ARGV[3], ARGV[7], ARGV[8], ARGV[9],
+    ARGV[10], ARGV[11])
+  if mismatch then return mismatch end
   MARGIN, RATIO, CAP = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
   -- Health and admission (lib/admission.lua): free while no ejection is due, no replica declares
   -- a capacity and nobody waits.
