@@ -549,12 +549,13 @@ class BalancerCore:
             mine = latest.pop((server_id, request_id), None)
             if mine is not None:
                 if token is None:
-                    token = HINT + mine
-                elif mine != token:
+                    self.held.pop(mine, None)
+                    return HINT + mine
+                if mine != token:
                     latest[(server_id, request_id)] = mine
         if not token:
             return ""
-        self.held.pop(token.lstrip(HINT), None)
+        self.held.pop(token, None)
         return token
 
     def _ended(self, outcome: Any) -> bool:
