@@ -20,6 +20,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from redis import exceptions as rx
 
 from .errors import RedisUnavailable
+from .packing import pack_in_c
 
 DEFAULT_URL = "redis://localhost:6379/0"
 SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster")
@@ -163,7 +164,7 @@ def connect(url: str, *, asyncio: bool = False) -> Any:
         )
     opts = dict(CLIENT_OPTIONS, decode_responses=True, retry=_retry(asyncio))
     if scheme in ("redis", "rediss", "unix"):
-        return _redis_module("", asyncio).Redis.from_url(url, **opts)
+        return _packing(_redis_module("", asyncio).Redis.from_url(url, **opts), asyncio)
 
     parts = urlsplit(url)
     netloc = parts.netloc.rsplit("@", 1)[-1]
@@ -192,7 +193,16 @@ def connect(url: str, *, asyncio: bool = False) -> Any:
         **CLIENT_OPTIONS,
     )
     db = int(path[1]) if len(path) > 1 else 0
-    return sentinel.master_for(path[0], password=password, username=username, db=db, **opts)
+    master = sentinel.master_for(path[0], password=password, username=username, db=db, **opts)
+    return _packing(master, asyncio)
+
+
+def _packing(client: Any, asyncio: bool) -> Any:
+    """An asyncio client whose connections pack commands in C (see packing.py); a sync
+    client's already do."""
+    if asyncio:
+        pack_in_c(client.connection_pool)
+    return client
 
 
 def client_for(redis: Any, *, asyncio: bool) -> tuple[Any, str, bool]:
