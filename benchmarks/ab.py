@@ -1,0 +1,214 @@
+"""``python -m benchmarks.ab REV [--rounds N] [--seconds S] [--pairs N]``
+
+Before and after, interleaved: this checkout against git revision REV on one private server,
+the two trees taking turns run by run (order flipped every round), so that a machine whose
+speed drifts by tens of percent within minutes (shared cores) moves both alike. Each run is a
+fresh set of processes importing its tree's ``redis_router`` (through the public API only, so
+any revision with ``acquire_server`` / ``release_server`` can be measured).
+
+Measured per run, as the benchmark's rows (1) and (5) do:
+
+- ``pair``: one process, sync, acquire + release with a new request id each time; wall time
+  per pair, and the Redis server time per pair (``INFO commandstats``, every command);
+- ``throughput``: 4 processes x 8 asyncio sessions (coalesced, then ``coalesce=False``);
+  pairs per second, the processes' own CPU time per pair, and Redis's CPU time per pair
+  (``INFO cpu``): on a machine whose cores the clients share with Redis, their sum is what
+  bounds the rate.
+
+The table shows each measure's median over the rounds for both trees, and the median of the
+per-round ratios after / before (the load moves between rounds, less within one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from redis_router.local_server import LocalServer, first_server_binary
+
+from .compare import HERE, _worktree
+
+NAME = "bench-ab"
+REPLICAS = 8
+PROCESSES = 4
+SESSIONS = 8
+
+# The code each tree runs (argv: URL, balancer name, then its own), public API only.
+_SETUP = """
+import sys
+from redis_router import RedisLoadBalancer
+url, name, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+RedisLoadBalancer({f"s{i}": f"http://h{i}" for i in range(n)}, redis=url, name=name).close()
+"""
+
+_PAIR = """
+import json, sys, time, uuid
+from redis_router import RedisLoadBalancer
+url, name, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+lb = RedisLoadBalancer(redis=url, name=name)
+ids = [uuid.uuid4().hex for _ in range(n + 200)]
+for rid in ids[:200]:  # warm: connection, scripts loaded
+    lb.release_server(lb.acquire_server(rid)[0], rid)
+print("ready", flush=True)
+sys.stdin.readline()
+t = time.perf_counter()
+for rid in ids[200:]:
+    lb.release_server(lb.acquire_server(rid)[0], rid)
+print(json.dumps((time.perf_counter() - t) / n))
+lb.close()
+"""
+
+_WORKER = """
+import asyncio, json, sys, time, uuid
+from redis_router import AsyncRedisLoadBalancer
+url, name, start_at, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+coalesce, sessions = sys.argv[5] == "1", int(sys.argv[6])
+
+async def main():
+    async with AsyncRedisLoadBalancer(redis=url, name=name, coalesce=coalesce) as lb:
+        sid, _ = await lb.acquire_server("warm-" + uuid.uuid4().hex)
+        await lb.release_server(sid, None)
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        cpu, deadline = time.process_time(), start_at + seconds
+
+        async def session():
+            n = 0
+            while time.time() < deadline:
+                rid = uuid.uuid4().hex
+                sid, _ = await lb.acquire_server(rid)
+                await lb.release_server(sid, rid)
+                n += 1
+            return n
+
+        pairs = sum(await asyncio.gather(*(session() for _ in range(sessions))))
+        return pairs, time.process_time() - cpu
+
+print(json.dumps(asyncio.run(main())))
+"""
+
+
+def _python(tree: Path, code: str, *args: str, **kw: Any) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    return subprocess.Popen([sys.executable, "-c", code, *args], cwd=tree, env=env, text=True, **kw)
+
+
+def _redis_cpu(r: redis.Redis) -> float:
+    cpu = r.info("cpu")
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+
+
+def _server_usec(r: redis.Redis) -> float:
+    return float(sum(v["usec"] for k, v in r.info("commandstats").items() if "evalsha" in k))
+
+
+def pair(tree: Path, r: redis.Redis, url: str, n: int) -> dict[str, float]:
+    proc = _python(tree, _PAIR, url, NAME, str(n), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdout.readline()  # "ready"
+    r.config_resetstat()
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    wall = json.loads(proc.stdout.readline())
+    usec = _server_usec(r)
+    proc.wait()
+    return {"pair_us": wall * 1e6, "pair_redis_us": usec / n}
+
+
+def throughput(
+    tree: Path, r: redis.Redis, url: str, seconds: float, coalesce: bool
+) -> dict[str, float]:
+    tag = "tp" if coalesce else "tp_solo"
+    start = time.time() + 1.5
+    procs = [
+        _python(
+            tree,
+            _WORKER,
+            url,
+            NAME,
+            str(start),
+            str(seconds),
+            "1" if coalesce else "0",
+            str(SESSIONS),
+            stdout=subprocess.PIPE,
+        )
+        for _ in range(PROCESSES)
+    ]
+    time.sleep(max(0.0, start - time.time()))
+    cpu0 = _redis_cpu(r)
+    outs = [json.loads(p.communicate()[0]) for p in procs]
+    cpu1 = _redis_cpu(r)
+    pairs = sum(o[0] for o in outs)
+    return {
+        f"{tag}_per_s": pairs / seconds,
+        f"{tag}_client_cpu_us": 1e6 * sum(o[1] for o in outs) / pairs,
+        f"{tag}_redis_cpu_us": 1e6 * (cpu1 - cpu0) / pairs,
+    }
+
+
+def measure(tree: Path, r: redis.Redis, url: str, args: argparse.Namespace) -> dict[str, float]:
+    out = pair(tree, r, url, args.pairs)
+    out.update(throughput(tree, r, url, args.seconds, True))
+    out.update(throughput(tree, r, url, args.seconds, False))
+    return out
+
+
+UNITS = {"_per_s": "/s", "_us": " us"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__)
+    ap.add_argument("rev", help="the git revision to compare with")
+    ap.add_argument("--rounds", type=int, default=6, help="runs of each tree (default 6)")
+    ap.add_argument("--seconds", type=float, default=5.0, help="one throughput run (default 5)")
+    ap.add_argument("--pairs", type=int, default=3000, help="pairs of one pair run (default 3000)")
+    args = ap.parse_args(argv)
+    binary = first_server_binary()
+    if binary is None:
+        raise SystemExit("no redis-server / valkey-server found (see redis_router.local_server)")
+    runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
+    with tempfile.TemporaryDirectory() as tmp, LocalServer(binary) as server:
+        trees = {"before": _worktree(args.rev, Path(tmp) / "before"), "after": HERE}
+        r = redis.Redis.from_url(server.url, decode_responses=True)
+        try:
+            for label in ("before", "after"):
+                _python(trees[label], _SETUP, server.url, NAME, str(REPLICAS)).wait()
+            for k in range(args.rounds):
+                order = ["before", "after"] if k % 2 == 0 else ["after", "before"]
+                for label in order:
+                    runs[label].append(measure(trees[label], r, server.url, args))
+                    print(
+                        f"  round {k + 1}: {label} {runs[label][-1]}", file=sys.stderr, flush=True
+                    )
+        finally:
+            subprocess.run(
+                ["git", "-C", str(HERE), "worktree", "remove", "--force", str(trees["before"])],
+                capture_output=True,
+            )
+    print(
+        f"before = {args.rev}, after = this checkout; {binary.label}; "
+        f"{args.rounds} interleaved rounds, medians"
+    )
+    print(f"{'measure':<28} {'before':>12} {'after':>12} {'after/before':>13}")
+    for key in runs["after"][0]:
+        b = statistics.median(run[key] for run in runs["before"])
+        a = statistics.median(run[key] for run in runs["after"])
+        ratio = statistics.median(
+            x[key] / y[key] for x, y in zip(runs["after"], runs["before"], strict=True)
+        )
+        unit = next(u for suffix, u in UNITS.items() if key.endswith(suffix))
+        print(f"{key:<28} {b:>10,.1f}{unit:<2} {a:>10,.1f}{unit:<2} {ratio:>12.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
