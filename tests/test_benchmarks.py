@@ -81,3 +81,30 @@ def test_report_names_the_server_and_the_sizes(report):
     assert report["quick"] is True
     assert Path(report["server"]["path"]).exists()
     assert report["sizes"]["sessions"] > 0
+
+
+def test_ab_measures_both_trees_and_prints_every_measure():
+    """``python -m benchmarks.ab`` against this checkout's own HEAD: both trees run and every
+    measure gets a finite before, after and ratio."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout
+
+    worktrees = git("worktree", "list")
+    sizes = ["--rounds", "1", "--seconds", "0.5", "--pairs", "50"]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.ab", git("rev-parse", "HEAD").strip(), *sizes],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = {line.split()[0]: line.split() for line in done.stdout.splitlines()[2:]}
+    measures = ("pair_us", "pair_redis_us", "tp_per_s", "tp_client_cpu_us", "tp_redis_cpu_us")
+    for measure in (*measures, "tp_solo_per_s"):
+        ratio = lines[measure][-1]
+        assert ratio.endswith("x") and math.isfinite(float(ratio[:-1])) and float(ratio[:-1]) > 0
+    assert git("worktree", "list") == worktrees  # the temporary one is removed
