@@ -85,6 +85,9 @@ class Model:
     capacity: dict[str, int] = field(default_factory=dict)  # replica -> declared capacity
     ejected: set[str] = field(default_factory=set)
     fails: dict[str, int] = field(default_factory=dict)  # replica -> failures in a row
+    # holder -> tokens of other holders' leases it was granted by a retry (acquire with that
+    # token): its client holds them too, so its hint may name them
+    retried: dict[str, set[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         assert self.router in ROUTERS, self.router
@@ -228,6 +231,9 @@ class Model:
     ) -> None:
         """Record what the real balancer granted (after checking it was allowed)."""
         if how == 2:
+            lease = self.leases.get(token)
+            if lease is not None and lease.holder != holder:
+                self.retried.setdefault(holder, set()).add(token)
             return
         weight = prompt.weight if self.router == "least_tokens" else 0
         self.leases[token] = ModelLease(server_id, request_id, holder, t0, t1, weight)
@@ -279,11 +285,14 @@ class Model:
 
     def request_candidates(self, server_id: str, request_id: str, holder: str) -> set[str]:
         """The leases a release by request id from ``holder`` may end when its hint is not
-        known: one of its own leases of that request there, or the request's oldest there."""
+        known: one of its own leases of that request there (including another holder's it
+        was granted by a retry), or the request's oldest there."""
+        mine = self.retried.get(holder, set())
         own = {
             t
             for t, lease in self.leases.items()
-            if (lease.server_id, lease.request_id, lease.holder) == (server_id, request_id, holder)
+            if (lease.server_id, lease.request_id) == (server_id, request_id)
+            and (lease.holder == holder or t in mine)
         }
         oldest = self.first_of_request(server_id, request_id)
         return own | ({oldest} if oldest else set())
