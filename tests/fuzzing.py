@@ -54,6 +54,7 @@ LEASE_TTL = 0.8
 MARGIN = 0.02  # slack (s) around a dead holder's deadline: the ms clock and the round trip
 STEP = 0.15  # a step that could end past a dead holder's deadline waits for it first
 PROCESSES = 3
+KEEPERS_WAIT = LEASE_TTL + 2.0  # the most a reclaim waits for the live keepers to act
 SERVERS = ["s0", "s1", "s2", "{s3}", "ü:4"]
 REQUESTS = ["r0", "r1", "r2", "r3", "{r4}", "*:r5", "ß6", "r7"]
 
@@ -393,6 +394,10 @@ class BalancerMachine(RuleBasedStateMachine):
 
     def _die(self, proc: Process, *, closing: bool) -> None:
         """The process dies (or closes): the model learns when its leases become reclaimable."""
+        if closing:
+            # Holders already dying that could come due while this one's leases go are
+            # reclaimed first (while it still lives), so no deadline passes during the reclaim.
+            self._ready(STEP + LEASE_TTL)
         self.procs.remove(proc)
         self.procs.append(self.spawn(PROCESSES - 1 if proc.impatient else 0))
         if closing:
@@ -428,6 +433,8 @@ class BalancerMachine(RuleBasedStateMachine):
         live = self.proc(self.stats.reclaims, patient=True)
         if how == "keepers" and not any(p.beating() for p in self.procs):
             how = "reap"
+        if how == "keepers" and self._deadline() < time.monotonic() + KEEPERS_WAIT:
+            how = "reap"  # waiting for the keepers could outlast another dying holder's deadline
         if how == "heartbeat" and not live.beating():  # heartbeats come from keepers only
             how = "reap"
         if how == "reap":
@@ -442,7 +449,7 @@ class BalancerMachine(RuleBasedStateMachine):
             # An acquire routes while they may be going (the keepers reap concurrently).
             self._acquire(live, [REQUESTS[self.stats.reclaims % len(REQUESTS)]])
         else:
-            limit = time.monotonic() + LEASE_TTL + 2.0
+            limit = time.monotonic() + KEEPERS_WAIT
             while self._still_leases(tokens):
                 assert time.monotonic() < limit, "the keepers left dead leases unreclaimed"
                 time.sleep(0.01)
