@@ -180,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         trees = {"before": _worktree(args.rev, Path(tmp) / "before"), "after": HERE}
         r = redis.Redis.from_url(server.url, decode_responses=True)
         try:
-            for label in ("before", "after"):
-                _python(trees[label], _SETUP, server.url, NAME, str(REPLICAS)).wait()
+            _python(HERE, _SETUP, server.url, NAME, str(REPLICAS)).wait()  # one pool for both
             for k in range(args.rounds):
                 order = ["before", "after"] if k % 2 == 0 else ["after", "before"]
                 for label in order:
