@@ -18,6 +18,13 @@
 --          (lib/health.lua), once per lease; "+" first: it succeeded with ejection on, which
 --          ends the replica's failure streak.
 -- Uses     lib/base, lib/admission, lib/leases, lib/health
+-- In a batch, the writes every release makes that commute are grouped for the end of the
+-- call: the operation ids remembered (one HSET) and the leases leaving their holders' sets
+-- (one ZREM per holder). Nothing between reads them: a copy of the same call is another
+-- script call. A single release writes them at once (no tables to make).
+local ended, unowned = nil, nil
+if #ARGV > 4 then ended, unowned = {}, {} end
+
 local function release(id, req, token, op)
   local rec, toks
   if token ~= '' then
@@ -46,8 +53,12 @@ local function release(id, req, token, op)
     end
     if not token then return 0 end
   end
-  local sid = end_lease(token, rec, toks)
-  redis.call('HSET', P .. 'ended', op, '1')
+  local sid = end_lease(token, rec, toks, unowned)
+  if ended then
+    ended[#ended + 1], ended[#ended + 2] = op, '1'
+  else
+    redis.call('HSET', P .. 'ended', op, '1')
+  end
   released(sid, op)
   return token
 end
@@ -55,5 +66,9 @@ end
 local out = {}
 for i = 1, #ARGV, 4 do
   out[#out + 1] = release(ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
+end
+if ended then
+  if #ended > 0 then flat_call('HSET', P .. 'ended', ended) end
+  for holder, toks in pairs(unowned) do flat_call('ZREM', P .. 'owned:' .. holder, toks) end
 end
 return out

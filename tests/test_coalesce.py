@@ -23,6 +23,12 @@ def evalsha_calls(r: redis.Redis) -> int:
     return int(r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
 
 
+def calls(r: redis.Redis, *commands: str) -> dict[str, int]:
+    """How many times the server has run each command (scripts' own calls included)."""
+    stats = r.info("commandstats")
+    return {c: int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in commands}
+
+
 async def warm(lb: AsyncRedisLoadBalancer) -> None:
     """Load the scripts (a first use answers NOSCRIPT, which counts as a call)."""
     await lb.release_server((await lb.acquire_server("warm"))[0], "warm")
@@ -32,18 +38,23 @@ def test_concurrent_calls_share_round_trips_and_balance_as_sequential_ones(serve
     async def main() -> None:
         async with AsyncRedisLoadBalancer(SERVERS, redis=server.url, name="co") as lb:
             await warm(lb)
-            before = evalsha_calls(r)
+            r.config_resetstat()
             got = await asyncio.gather(*(lb.acquire_server(f"q{i}") for i in range(64)))
-            # all 64 were made before the event loop's next turn: one round trip
-            assert evalsha_calls(r) - before == 1
+            # all 64 were made before the event loop's next turn: one round trip, which reads
+            # the replicas' metadata once for the batch (an HMGET), not once per replica
+            assert evalsha_calls(r) == 1 and calls(r, "hget")["hget"] == 0
+            assert all(handle == SERVERS[sid] for sid, handle in got)
             # one after another, least-loaded fills 8 idle replicas evenly: 8 each
             assert sorted(Counter(sid for sid, _ in got).values()) == [8] * 8
             assert sum(invariants.check(r, "co").values()) == 64
-            before = evalsha_calls(r)
+            r.config_resetstat()
             done = await asyncio.gather(
                 *(lb.release_server(sid, f"q{i}") for i, (sid, _) in enumerate(got))
             )
-            assert evalsha_calls(r) - before == 1 and all(done)
+            assert evalsha_calls(r) == 1 and all(done)
+            # the batch remembers its 64 operation ids in one HSET and takes the leases off
+            # their holder's set in one ZREM (plus one ZREM per lease off its replica's set)
+            assert calls(r, "hset", "zrem") == {"hset": 1, "zrem": 1 + 64}
             assert set(invariants.check(r, "co").values()) == {0}
 
     asyncio.run(main())

@@ -284,7 +284,7 @@ local function acquire_all(stride, policy)
   local lease_kv, owned_kv, nl = {}, {}, 0
   local held, held_ids, acquires = {}, {}, {} -- per replica: {acquired at, token, ...}, count
   local byreq, byreq_f = {}, {} -- request index field -> new tokens, in first-seen order
-  local hits, hit_ids, meta = {}, {}, {}
+  local hits, hit_ids, meta, meta_ids = {}, {}, {}, {} -- meta: server id -> metadata
   local sticky_kv, ns = {}, 0
   local sticky_del = {} -- bucket -> request ids that left it
   local sdelta, skeys = {}, {} -- bucket -> replica -> change in its session count
@@ -364,13 +364,16 @@ local function acquire_all(stride, policy)
       end
       if policy.granted then policy.granted(i, id, token) end
     end
-    local m = meta[id]
-    if m == nil then
-      m = redis.call('HGET', P .. 'servers', id)
-      meta[id] = m
+    if meta[id] == nil then
+      meta[id] = false
+      meta_ids[#meta_ids + 1] = id
     end
-    out[no + 1], out[no + 2], out[no + 3], no = id, m, how, no + 3
+    out[no + 1], out[no + 2], out[no + 3], no = id, false, how, no + 3
   end
+  -- The replicas' metadata, one HMGET for the batch (a removed replica's is false).
+  local got = hmget(P .. 'servers', meta_ids, #meta_ids)
+  for k, id in ipairs(meta_ids) do meta[id] = got[k] or false end
+  for k = 1, no, 3 do out[k + 1] = meta[out[k]] end
 
   -- The writes that commute, grouped: lease records, the request index, sticky buckets, stats.
   if nl > 0 then

@@ -36,14 +36,25 @@ end
 -- that ends leases goes through here, whichever policy took them (a weight travels in the
 -- record, so an unweighed lease costs no lookup). `rec` (the lease's record) and `toks` (its
 -- request index entry) when the caller has already read them: each saves one HGET.
+-- `unowned`: a table holder -> tokens that collects the holder-set removals for the caller
+-- to make at its end, one ZREM per holder (a batch of releases is mostly one holder's).
 -- Returns the replica, or nil when there was no such lease.
-local function end_lease(token, rec, toks)
+local function end_lease(token, rec, toks, unowned)
   rec = rec or redis.call('HGET', P .. 'leases', token)
   if not rec then return nil end
   local id, field, holder, w = split_record(rec)
   redis.call('HDEL', P .. 'leases', token)
   forget_token(field, token, toks)
-  redis.call('ZREM', P .. 'owned:' .. holder, token)
+  if unowned then
+    local t = unowned[holder]
+    if t then
+      t[#t + 1] = token
+    else
+      unowned[holder] = { token }
+    end
+  else
+    redis.call('ZREM', P .. 'owned:' .. holder, token)
+  end
   if w then redis.call('ZINCRBY', P .. 'weighted', '-' .. w, id) end
   redis.call('ZREM', P .. 'held:' .. id, token)
   -- ZADD XX INCR changes the count only where the replica is (load, else draining, else off).
