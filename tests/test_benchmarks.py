@@ -108,3 +108,41 @@ def test_ab_measures_both_trees_and_prints_every_measure():
         ratio = lines[measure][-1]
         assert ratio.endswith("x") and math.isfinite(float(ratio[:-1])) and float(ratio[:-1]) > 0
     assert git("worktree", "list") == worktrees  # the temporary one is removed
+
+
+def test_script_ab_times_both_versions_call_by_call():
+    """``python -m benchmarks.script_ab`` against the commit before the one that grouped the
+    releases' writes: both versions' scripts run on one server and every script and size
+    gets a finite before, after and ratio."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout
+
+    worktrees = git("worktree", "list")
+    grouped = git("log", "--format=%H", "-1", "--grep", "commuting writes grouped").strip()
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.script_ab", grouped + "~1", "--calls", "30"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {" ".join(line.split()[:2]): line.split()[2:] for line in done.stdout.splitlines()[3:]}
+    assert set(rows) == {f"{s} x{b}" for s in ("acquire", "release") for b in (1, 8)}
+    for values in rows.values():
+        assert len(values) == 6 and all(math.isfinite(float(v)) and float(v) > 0 for v in values)
+    assert git("worktree", "list") == worktrees  # the temporary one is removed
+
+
+def test_script_ab_refuses_a_revision_with_the_same_scripts():
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.script_ab", "HEAD", "--calls", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0 and "identical" in done.stderr

@@ -1,0 +1,150 @@
+"""``python -m benchmarks.script_ab REV [--calls N] [--batch 1,8]``
+
+The acquire and release scripts of this checkout against those of git revision REV, call by
+call on one private server: one balancer (this checkout's client) sends the same requests
+through either version's scripts, alternating at every call, and the server's own record of
+each call's duration (``SLOWLOG`` with a threshold of 0) is read per script. Two versions run
+microseconds apart, so a machine whose speed drifts by tens of percent within a minute moves
+both alike; ``benchmarks.ab`` (whole processes taking turns) cannot resolve a change of a few
+percent there. For changes inside the scripts, not to their arguments: REV's scripts must take
+the arguments this checkout's client sends.
+
+Printed per script and batch size (requests per call): the mean and median server time per
+request for both versions, and after / before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import redis
+
+from redis_router import RedisLoadBalancer
+from redis_router.local_server import LocalServer, first_server_binary
+from redis_router.scripts import Script
+
+from .compare import HERE, _worktree
+
+SCRIPTS = ("acquire", "release")
+REPLICAS = 8
+_SOURCES = (
+    "import json; from redis_router import scripts; "
+    f"print(json.dumps({{n: scripts.load(n).source for n in {SCRIPTS!r}}}))"
+)
+
+
+def sources(tree: Path) -> dict[str, Script]:
+    """The scripts as that tree's loader assembles them (run in the tree, as its own code)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _SOURCES],
+        cwd=tree,
+        env={"PYTHONPATH": str(tree)},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return {
+        name: Script(name, src, hashlib.sha1(src.encode()).hexdigest())
+        for name, src in json.loads(out).items()
+    }
+
+
+def measure(
+    url: str, versions: dict[str, dict[str, Script]], batch: int, calls: int
+) -> dict[tuple[str, str], list[float]]:
+    """Server microseconds per request, by (script, version label)."""
+    r = redis.Redis.from_url(url)
+    r.flushall()
+    for scripts in versions.values():
+        for s in scripts.values():
+            r.script_load(s.source)
+    of = {s.sha: (name, label) for label, v in versions.items() for name, s in v.items()}
+    if len(of) != len(SCRIPTS) * len(versions):
+        raise SystemExit("the two revisions' scripts are identical: nothing to compare")
+    spent: dict[tuple[str, str], list[float]] = {key: [] for key in of.values()}
+    lb = RedisLoadBalancer({f"s{i}": f"http://h{i}" for i in range(REPLICAS)}, redis=url)
+    core = lb._core  # the scripts it sends are swapped below: same client, same keys
+    labels = list(versions)
+    r.config_set("slowlog-max-len", 1_000_000)
+    r.config_set("slowlog-log-slower-than", 0)
+
+    def collect() -> None:
+        for entry in r.slowlog_get(1_000_000):
+            args = entry["command"].split()
+            if args[0].upper() == b"EVALSHA" and args[1].decode() in of:
+                spent[of[args[1].decode()]].append(entry["duration"] / batch)
+        r.slowlog_reset()
+
+    try:
+        for k in range(calls):
+            for label in labels if k % 2 == 0 else labels[::-1]:
+                core._acquire, core._release = (
+                    versions[label]["acquire"],
+                    versions[label]["release"],
+                )
+                rids = [uuid.uuid4().hex for _ in range(batch)]
+                if batch == 1:
+                    lb.release_server(lb.acquire_server(rids[0])[0], rids[0])
+                else:
+                    got = lb.acquire_many(rids)
+                    ends = [(s, rid, None) for (s, _), rid in zip(got, rids, strict=True)]
+                    lb._run(core.release_many(ends))
+            if k % 200 == 199:
+                collect()
+        collect()
+    finally:
+        r.config_set("slowlog-log-slower-than", 10_000)
+        lb.close()
+    return spent
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.script_ab", description=__doc__)
+    ap.add_argument("rev", help="the git revision to compare with")
+    ap.add_argument("--calls", type=int, default=2000, help="calls per version and size")
+    ap.add_argument("--batch", default="1,8", help="requests per call, comma separated")
+    args = ap.parse_args(argv)
+    try:
+        sizes = [int(b) for b in args.batch.split(",")]
+    except ValueError:
+        raise SystemExit(f"--batch takes sizes such as 1,8; got {args.batch!r}") from None
+    if not sizes or min(sizes) < 1 or args.calls < 1:
+        raise SystemExit("--batch sizes and --calls must be at least 1")
+    binary = first_server_binary()
+    if binary is None:
+        raise SystemExit("no redis-server / valkey-server found (see redis_router.local_server)")
+    with tempfile.TemporaryDirectory() as tmp, LocalServer(binary) as server:
+        before = _worktree(args.rev, Path(tmp) / "before")
+        try:
+            versions = {"before": sources(before), "after": sources(HERE)}
+        finally:
+            subprocess.run(
+                ["git", "-C", str(HERE), "worktree", "remove", "--force", str(before)],
+                capture_output=True,
+            )
+        results = {b: measure(server.url, versions, b, args.calls) for b in sizes}
+    print(f"before = {args.rev}, after = this checkout; {binary.label}; {args.calls} calls each")
+    print(f"{'script':<16} {'before':>16} {'after':>16} {'after/before':>14}")
+    print(f"{'(us / request)':<16} {'mean  median':>16} {'mean  median':>16} {'mean median':>14}")
+    for b, spent in results.items():
+        for name in SCRIPTS:
+            x, y = spent[(name, "before")], spent[(name, "after")]
+            mx, my = statistics.mean(x), statistics.mean(y)
+            dx, dy = statistics.median(x), statistics.median(y)
+            print(
+                f"{name + ' x' + str(b):<16} {mx:7.2f} {dx:7.2f}  {my:7.2f} {dy:7.2f}"
+                f"  {my / mx:6.3f} {dy / dx:6.3f}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
