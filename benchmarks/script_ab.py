@@ -1,4 +1,4 @@
-"""``python -m benchmarks.script_ab REV [--calls N] [--batch 1,8]``
+"""``python -m benchmarks.script_ab REV [--calls N] [--batch 1,8] [--server-bin PATH]``
 
 The acquire and release scripts of this checkout against those of git revision REV, call by
 call on one private server: one balancer (this checkout's client) sends the same requests
@@ -28,9 +28,10 @@ from pathlib import Path
 import redis
 
 from redis_router import RedisLoadBalancer
-from redis_router.local_server import LocalServer, first_server_binary
+from redis_router.local_server import LocalServer
 from redis_router.scripts import Script
 
+from .__main__ import _binary
 from .compare import HERE, _worktree
 
 SCRIPTS = ("acquire", "release")
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("rev", help="the git revision to compare with")
     ap.add_argument("--calls", type=int, default=2000, help="calls per version and size")
     ap.add_argument("--batch", default="1,8", help="requests per call, comma separated")
+    ap.add_argument("--server-bin", metavar="PATH", help="server binary (default: first found)")
     args = ap.parse_args(argv)
     try:
         sizes = [int(b) for b in args.batch.split(",")]
@@ -118,9 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--batch takes sizes such as 1,8; got {args.batch!r}") from None
     if not sizes or min(sizes) < 1 or args.calls < 1:
         raise SystemExit("--batch sizes and --calls must be at least 1")
-    binary = first_server_binary()
-    if binary is None:
-        raise SystemExit("no redis-server / valkey-server found (see redis_router.local_server)")
+    binary = _binary(args.server_bin)
     with tempfile.TemporaryDirectory() as tmp, LocalServer(binary) as server:
         before = _worktree(args.rev, Path(tmp) / "before")
         try:
