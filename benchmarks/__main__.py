@@ -65,10 +65,12 @@ def _binary(path: str | None) -> ServerBinary:
         if found is None:
             sys.exit("no redis-server / valkey-server found: install one or pass --server-bin")
         return found
-    wanted = os.path.realpath(path)  # the server runs in its own directory
-    os.environ[ENV_SERVER_BIN] = wanted
+    # Absolute (the server runs in its own directory) but not resolved: a link's name can
+    # matter (Debian's redis-server links to redis-check-rdb, which runs as named).
+    given = os.path.abspath(path)
+    os.environ[ENV_SERVER_BIN] = given
     for b in find_server_binaries(refresh=True):
-        if os.path.realpath(b.path) == wanted:
+        if os.path.realpath(b.path) == os.path.realpath(given):
             return b
     sys.exit(f"--server-bin {path!r} is not a runnable redis-server / valkey-server")
 

@@ -9,8 +9,10 @@ both alike; ``benchmarks.ab`` (whole processes taking turns) cannot resolve a ch
 percent there. For changes inside the scripts, not to their arguments: REV's scripts must take
 the arguments this checkout's client sends.
 
-Printed per script and batch size (requests per call): the mean and median server time per
-request for both versions, and after / before.
+Printed per script and batch size (requests per call): the server time per request for both
+versions, and after / before, as a trimmed mean (the slowest and fastest tenth of the calls
+left out: a call the machine stalled says nothing of the script) and as the median (whole
+microseconds per call, so coarse for single requests).
 """
 
 from __future__ import annotations
@@ -107,6 +109,13 @@ def measure(
     return spent
 
 
+def trimmed_mean(values: list[float], cut: float = 0.1) -> float:
+    """The mean of the values without the lowest and highest `cut` of them."""
+    ordered = sorted(values)
+    k = int(len(ordered) * cut)
+    return statistics.mean(ordered[k : len(ordered) - k])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.script_ab", description=__doc__)
     ap.add_argument("rev", help="the git revision to compare with")
@@ -133,11 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         results = {b: measure(server.url, versions, b, args.calls) for b in sizes}
     print(f"before = {args.rev}, after = this checkout; {binary.label}; {args.calls} calls each")
     print(f"{'script':<16} {'before':>16} {'after':>16} {'after/before':>14}")
-    print(f"{'(us / request)':<16} {'mean  median':>16} {'mean  median':>16} {'mean median':>14}")
+    print(
+        f"{'(us / request)':<16} {'trim.  median':>16} {'trim.  median':>16} {'trim. median':>14}"
+    )
     for b, spent in results.items():
         for name in SCRIPTS:
             x, y = spent[(name, "before")], spent[(name, "after")]
-            mx, my = statistics.mean(x), statistics.mean(y)
+            mx, my = trimmed_mean(x), trimmed_mean(y)
             dx, dy = statistics.median(x), statistics.median(y)
             print(
                 f"{name + ' x' + str(b):<16} {mx:7.2f} {dx:7.2f}  {my:7.2f} {dy:7.2f}"

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import redis
 
 from benchmarks.__main__ import ROW_IDS
 from redis_router.local_server import first_server_binary
@@ -146,3 +147,25 @@ def test_script_ab_refuses_a_revision_with_the_same_scripts():
         timeout=120,
     )
     assert done.returncode != 0 and "identical" in done.stderr
+
+
+def test_server_bin_may_be_a_link_whose_target_runs_as_named(tmp_path, monkeypatch):
+    """As Debian installs it: redis-server links to redis-check-rdb, one binary that acts
+    by the name it is run as. ``--server-bin`` must run the link, not what it resolves to."""
+    from benchmarks.__main__ import _binary
+    from redis_router.local_server import ENV_SERVER_BIN, LocalServer, find_server_binaries
+
+    real = next((b for b in find_server_binaries() if b.kind == "redis"), None)
+    if real is None:
+        pytest.skip("no Redis binary (Valkey acts the same whatever its name)")
+    monkeypatch.setenv(ENV_SERVER_BIN, "")
+    checker = tmp_path / "redis-check-rdb"
+    checker.symlink_to(real.path)
+    (tmp_path / "redis-server").symlink_to(checker.name)
+    try:
+        binary = _binary(str(tmp_path / "redis-server"))
+        assert binary.version == real.version
+        with LocalServer(binary) as server:
+            assert redis.Redis.from_url(server.url).ping()
+    finally:
+        find_server_binaries(refresh=True)  # forget the temporary path
