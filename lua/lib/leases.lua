@@ -67,7 +67,7 @@ local function end_lease(token, rec, toks, unowned)
 end
 
 -- Release keys (client-made operation ids) are remembered in two generations of hashes,
--- P.."ended" and P.."ended:old": a release writes one HSET (no clock read, no sorted-set
+-- P.."ended" and P.."ended:old": a release writes one HSET field (no clock read, no sorted-set
 -- insert), and a heartbeat retires the current generation once it is `remember` ms old
 -- (rotate_ended), so a key is recognised for at least `remember` ms and at most about twice
 -- that. The generation's start is its field "@since" (operation ids are hex).
