@@ -168,4 +168,5 @@ def test_server_bin_may_be_a_link_whose_target_runs_as_named(tmp_path, monkeypat
         with LocalServer(binary) as server:
             assert redis.Redis.from_url(server.url).ping()
     finally:
+        monkeypatch.undo()  # _binary set the variable itself
         find_server_binaries(refresh=True)  # forget the temporary path
