@@ -599,17 +599,22 @@ class BalancerCore:
         RECONCILE_GRACE_MS are compared, so a grant still on its way back is never taken for
         one. Returns how many leases ended."""
         owned = [_str(t) for t in (yield Call(load("owned"), (self.holder, RECONCILE_GRACE_MS)))]
-        held = self.held
-        stale = [t for t in owned if t not in held]
+        # Other threads acquire and release meanwhile (a sync balancer's keeper runs in its
+        # own thread): read the ledgers through copies (one C call each, atomic) and remove
+        # entries with pop, never iterating a dict another thread may be changing.
+        held, latest = self.held, self.latest
+        now_held = held.copy()
+        stale = [t for t in owned if t not in now_held]
         # Forget tokens Redis no longer has (released by request id in a resent call, ended
         # by another process): only those held locally for longer than Redis was asked about.
         cutoff = time.monotonic() - RECONCILE_GRACE_MS / 1000 - RECONCILE_MARGIN
         in_redis = set(owned)
-        for token in [t for t, at in held.items() if at < cutoff and t not in in_redis]:
-            del held[token]
-        latest = self.latest
-        for key in [k for k, t in latest.items() if t not in held]:
-            del latest[key]
+        for token, at in now_held.items():
+            if at < cutoff and token not in in_redis:
+                held.pop(token, None)
+        for key, token in latest.copy().items():
+            if token not in held and latest.get(key) == token:
+                latest.pop(key, None)
         if not stale:
             return 0
         return int((yield Call(load("forget"), (self.holder, RECONCILE_GRACE_MS, *stale))))

@@ -76,8 +76,11 @@ class ThreadKeeper:
 
     def _loop(self, beat: Callable[[], bool], period: float) -> None:
         while not self._stop.wait(period):
-            if not beat():
-                return
+            try:
+                if not beat():
+                    return
+            except Exception:  # a keeper that stopped would let this process's leases lapse
+                log.exception("redis-router keeper: a heartbeat failed unexpectedly; retrying")
 
     def stop(self) -> None:
         self._stop.set()
@@ -112,6 +115,8 @@ async def keep_alive_async(ref: weakref.ref[Any], period: float) -> None:
                 report_reconciled(lb._core, await lb._run(lb._core.reconcile()))
         except RedisRouterError as exc:  # Redis unreachable, settings changed: next period
             log.warning("balancer %r: heartbeat failed: %s", lb._core.name, exc)
+        except Exception:  # a keeper that stopped would let this process's leases lapse
+            log.exception("balancer %r: a heartbeat failed unexpectedly; retrying", lb._core.name)
         finally:
             del lb  # hold no reference while sleeping
 

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -265,3 +266,91 @@ def test_reconciling_never_ends_a_lease_the_process_holds(make_lb, r, monkeypatc
     assert all(lease.release() for lease in leases)
     assert lb._core.held == {}  # every token the process held is gone from its ledger
     invariants.check(r, lb.name)
+
+
+def _fails_once(monkeypatch: pytest.MonkeyPatch, lb: Any) -> list[int]:
+    """Make the balancer's next heartbeat raise an error no keeper expects; returns the list
+    of calls made (the keeper must go on beating after it)."""
+    real, calls = lb._core.heartbeat, []
+
+    def heartbeat() -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected: a bug in one heartbeat")
+        return real()
+
+    monkeypatch.setattr(lb._core, "heartbeat", heartbeat)
+    return calls
+
+
+def test_the_thread_keeper_outlives_an_unexpected_error(make_lb, r, monkeypatch, caplog):
+    lb = make_lb(SERVERS, lease_ttl=0.4)
+    reaper = make_lb(name=lb.name, lease_ttl=0.4)
+    lease = lb.acquire("long")
+    calls = _fails_once(monkeypatch, lb)
+    with caplog.at_level(logging.ERROR, logger="redis_router"):
+        time.sleep(1.2)  # three lease_ttl: a stopped keeper's holder would be dead by now
+    assert len(calls) >= 3 and "failed unexpectedly" in caplog.text
+    assert reaper.reap() == 0 and lb.get_inflight_count(lease.server_id) == 1
+    assert lease.release()
+    assert invariants.check(r, lb.name) == {"s0": 0, "s1": 0}
+
+
+def test_the_asyncio_keeper_outlives_an_unexpected_error(server, r, monkeypatch, caplog):
+    async def main() -> None:
+        lb = AsyncRedisLoadBalancer(SERVERS, redis=server.url, name="keeps", lease_ttl=0.4)
+        reaper = RedisLoadBalancer(redis=server.url, name="keeps", lease_ttl=0.4)
+        try:
+            async with lb.lease("long") as lease:
+                calls = _fails_once(monkeypatch, lb)
+                await asyncio.sleep(1.2)
+                assert len(calls) >= 3 and "failed unexpectedly" in caplog.text
+                assert reaper.reap() == 0
+                assert await lb.get_inflight_count(lease.server_id) == 1
+        finally:
+            reaper.close()
+            await lb.close()
+
+    with caplog.at_level(logging.ERROR, logger="redis_router"):
+        asyncio.run(main())
+    assert invariants.check(r, "keeps") == {"s0": 0, "s1": 0}
+
+
+def test_reconciling_tolerates_other_threads_acquiring_and_releasing(make_lb, r, monkeypatch):
+    """A sync balancer's keeper reconciles in its own thread while the process's threads
+    acquire and release, changing the ledger it compares (a keeper once died of it)."""
+    lb = make_lb(SERVERS, lease_ttl=30.0)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def traffic(k: int) -> None:
+        try:
+            i = 0
+            while not stop.is_set():
+                rid = f"t{k}-{i}"
+                lb.release_server(lb.acquire_server(rid)[0], rid)
+                i += 1
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=traffic, args=(k,)) for k in range(4)]
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often, as a loaded process does
+    try:
+        for t in threads:
+            t.start()
+        for _ in range(20):
+            # tokens held locally long ago that Redis no longer has: reconciling forgets them,
+            # walking the whole ledger while the other threads change it
+            lb._core.held.update((f"gone-{j}", 0.0) for j in range(20_000))
+            lb._core.latest.update(((f"s{j}", f"gone-{j}"), f"gone-{j}") for j in range(5_000))
+            assert lb._run(lb._core.reconcile()) == 0
+            assert not any(t.startswith("gone-") for t in list(lb._core.held))
+    finally:
+        sys.setswitchinterval(old)
+        stop.set()
+        for t in threads:
+            t.join()
+    assert errors == []
+    assert lb._core.held == {} and lb._core.latest == {}
+    assert invariants.check(r, lb.name) == {"s0": 0, "s1": 0}
