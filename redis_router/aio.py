@@ -209,6 +209,8 @@ class AsyncRedisLoadBalancer:
         except StopIteration as stop:
             result: T = stop.value
             return result
+        finally:
+            op.close()  # a failed call's operation still runs its cleanup, now
 
     async def _run(self, op: Op[T]) -> T:
         if not _succeeded(self._setup):

@@ -279,6 +279,8 @@ class RedisLoadBalancer:
         except StopIteration as stop:
             result: T = stop.value
             return result
+        finally:
+            op.close()  # a failed call's operation still runs its cleanup, now
 
     # -- routing ---------------------------------------------------------------------------
 

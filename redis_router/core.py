@@ -11,7 +11,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from . import health, validation
@@ -346,6 +346,10 @@ class BalancerCore:
         # there: a release by request id names it, so the script ends it without a lookup
         # (a hint: the script falls back to the request index when that lease is gone).
         self.latest: dict[tuple[str, str], str] = {}
+        # Tokens a release has named that Redis has not answered for yet: they have left
+        # `held`, but the release may not have run, so reconcile() must not take them for
+        # leases the process no longer holds (it would end one and the release find nothing).
+        self.releasing: set[str] = set()
         self._acquire_head = (
             str(self.lease_ms),
             str(self.width_ms),
@@ -537,26 +541,40 @@ class BalancerCore:
         if failed or self.ejection:
             return (yield from self.release_many([(server_id, request_id, token)], [failed]))[0]
         # The common case: one release, no health marks (release_many does the same per item).
-        argv = (server_id, request_id or "", self._named(server_id, request_id, token), new_token())
-        return self._ended((yield Call(self._release, argv))[0])
+        named = self._named(server_id, request_id, token)
+        try:
+            return self._ended(
+                (yield Call(self._release, (server_id, request_id or "", named, new_token())))[0]
+            )
+        finally:
+            self._answered((named,))
 
     def _named(self, server_id: str, request_id: str | None, token: str | None) -> str:
         """The token a release sends: its own, else this holder's latest lease of the request
         there as a hint ("?token"), else none; the lease leaves the local ledger now, even if
-        the call fails (reconcile() ends it then)."""
+        the call fails (reconcile() ends it then), and is in `releasing` until answered."""
         if request_id:
             latest = self.latest
             mine = latest.pop((server_id, request_id), None)
             if mine is not None:
                 if token is None:
                     self.held.pop(mine, None)
+                    self.releasing.add(mine)
                     return HINT + mine
                 if mine != token:
                     latest[(server_id, request_id)] = mine
         if not token:
             return ""
         self.held.pop(token, None)
+        self.releasing.add(token)
         return token
+
+    def _answered(self, named: Iterable[str]) -> None:
+        """The release that named these tokens was answered (or failed, or was abandoned)."""
+        releasing = self.releasing
+        for name in named:
+            if name:
+                releasing.discard(name[1:] if name[0] == HINT else name)
 
     def _ended(self, outcome: Any) -> bool:
         """A release's outcome: True if a lease ended (its token, or 1 for a resent copy)."""
@@ -582,9 +600,15 @@ class BalancerCore:
             ok = "+" if self.ejection else ""
             bad = failed or [False] * len(ops)
             ops = [("!" if b else ok) + op for op, b in zip(ops, bad, strict=True)]
-        for (server_id, request_id, token), op in zip(releases, ops, strict=True):
-            flat += (server_id, request_id or "", self._named(server_id, request_id, token), op)
-        return [self._ended(outcome) for outcome in (yield Call(self._release, tuple(flat)))]
+        names = [
+            self._named(server_id, request_id, token) for server_id, request_id, token in releases
+        ]
+        for (server_id, request_id, _), named, op in zip(releases, names, ops, strict=True):
+            flat += (server_id, request_id or "", named, op)
+        try:
+            return [self._ended(outcome) for outcome in (yield Call(self._release, tuple(flat)))]
+        finally:
+            self._answered(names)
 
     def renew(self, token: str) -> Op[bool]:
         """Restart the lease's age (max_lease_age); liveness needs no renewal."""
@@ -603,8 +627,8 @@ class BalancerCore:
         # own thread): read the ledgers through copies (one C call each, atomic) and remove
         # entries with pop, never iterating a dict another thread may be changing.
         held, latest = self.held, self.latest
-        now_held = held.copy()
-        stale = [t for t in owned if t not in now_held]
+        now_held, releasing = held.copy(), self.releasing.copy()
+        stale = [t for t in owned if t not in now_held and t not in releasing]
         # Forget tokens Redis no longer has (released by request id in a resent call, ended
         # by another process): only those held locally for longer than Redis was asked about.
         cutoff = time.monotonic() - RECONCILE_GRACE_MS / 1000 - RECONCILE_MARGIN

@@ -246,6 +246,7 @@ def test_a_release_that_failed_in_an_outage_is_ended_by_reconciling(make_lb, r, 
     monkeypatch.setattr(lb, "_send", dropped)
     with pytest.raises(RedisUnavailable):
         lease.release()  # the caller gives up; Redis still counts the lease
+    assert lb._core.releasing == set()  # no longer on its way: reconciling may end it
     monkeypatch.setattr(lb, "_send", real_send)
     assert lb.get_total_inflight() == 1
     assert lb._run(lb._core.reconcile()) == 0  # younger than the grace: left alone
@@ -354,3 +355,50 @@ def test_reconciling_tolerates_other_threads_acquiring_and_releasing(make_lb, r,
     assert errors == []
     assert lb._core.held == {} and lb._core.latest == {}
     assert invariants.check(r, lb.name) == {"s0": 0, "s1": 0}
+
+
+def test_reconciling_leaves_alone_a_lease_whose_release_is_on_its_way(make_lb, r, monkeypatch):
+    """The keeper reconciles after a release took its lease off the ledger but before Redis
+    ran it: the lease is not the process's forgotten one, and the release must end it."""
+    monkeypatch.setattr(core, "RECONCILE_GRACE_MS", 100)
+    lb = make_lb(SERVERS, lease_ttl=30.0)
+    sid, _ = lb.acquire_server("long")
+    token = lb.acquire("long-too").token
+    time.sleep(0.3)  # both older than the grace: reconciling compares them
+    real_send, reconciled = lb._send, []
+
+    def keeper_first(call: Any) -> Any:
+        if call.script.name == "release":
+            reconciled.append(lb._run(lb._core.reconcile()))
+        return real_send(call)
+
+    monkeypatch.setattr(lb, "_send", keeper_first)
+    assert lb.release_server(sid, "long")  # by request id: a hint names the lease
+    assert lb._run(lb._core.release_many([(sid, None, token)])) == [True]  # by token
+    assert reconciled == [0, 0] and lb._core.releasing == set()
+    assert invariants.check(r, lb.name) == {"s0": 0, "s1": 0}
+
+
+def test_asyncio_reconciling_leaves_alone_a_coalesced_release_in_flight(server, r, monkeypatch):
+    monkeypatch.setattr(core, "RECONCILE_GRACE_MS", 100)
+
+    async def main() -> list[int]:
+        async with AsyncRedisLoadBalancer(SERVERS, redis=server.url, name="inflight") as lb:
+            got = await asyncio.gather(*(lb.acquire_server(f"q{i}") for i in range(8)))
+            await asyncio.sleep(0.3)
+            real_send, reconciled = lb._send, []
+
+            async def keeper_first(call: Any) -> Any:
+                if call.script.name == "release":
+                    reconciled.append(await lb._run(lb._core.reconcile()))
+                return await real_send(call)
+
+            monkeypatch.setattr(lb, "_send", keeper_first)
+            done = await asyncio.gather(
+                *(lb.release_server(sid, f"q{i}") for i, (sid, _) in enumerate(got))
+            )
+            assert all(done) and lb._core.releasing == set()
+            return reconciled
+
+    assert asyncio.run(main()) == [0]  # one coalesced release call
+    assert invariants.check(r, "inflight") == {"s0": 0, "s1": 0}
