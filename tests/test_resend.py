@@ -23,6 +23,11 @@ from . import invariants
 # Keeps the server busy inside one script: every other client waits, as behind a slow command.
 BUSY = "local n = 0 for i = 1, tonumber(ARGV[1]) do n = n + i end return 1"
 TIMEOUT = 0.3
+# The stall is calibrated for STALL_TIMEOUTS client timeouts, and the client resends up to
+# RETRIES times: a copy is resent even if this machine runs the stall several times faster
+# than it ran the calibration, and the call still succeeds if several times slower.
+STALL_TIMEOUTS = 5
+RETRIES = 12
 
 
 def _loop_count_for(r: redis.Redis, seconds: float) -> int:
@@ -38,8 +43,9 @@ def _loop_count_for(r: redis.Redis, seconds: float) -> int:
 
 @pytest.fixture
 def stall(r: redis.Redis) -> Iterator[Callable[[], threading.Thread]]:
-    """Start a script that blocks the server for ~2.5 client timeouts, from another connection."""
-    n = _loop_count_for(r, 3 * TIMEOUT)
+    """Start a script that blocks the server for ~STALL_TIMEOUTS client timeouts, from
+    another connection."""
+    n = _loop_count_for(r, STALL_TIMEOUTS * TIMEOUT)
     blocker = redis.Redis(host="127.0.0.1", port=r.connection_pool.connection_kwargs["port"])
     threads: list[threading.Thread] = []
 
@@ -64,7 +70,7 @@ def impatient(server: Any) -> Iterator[redis.Redis]:
         host="127.0.0.1",
         port=server.port,
         socket_timeout=TIMEOUT,
-        retry=Retry(NoBackoff(), 4),
+        retry=Retry(NoBackoff(), RETRIES),
         decode_responses=True,
     )
     yield c
