@@ -350,6 +350,8 @@ class BalancerCore:
         # `held`, but the release may not have run, so reconcile() must not take them for
         # leases the process no longer holds (it would end one and the release find nothing).
         self.releasing: set[str] = set()
+        # Set by destroy(): the next heartbeat registering the holder anew is expected.
+        self.destroyed = False
         self._acquire_head = (
             str(self.lease_ms),
             str(self.width_ms),
@@ -661,7 +663,8 @@ class BalancerCore:
         )
         if int(examined) >= REAP_CHUNK:
             reclaimed = int(reclaimed) + (yield from self.reap())
-        return Heartbeat(anew == 1, int(reclaimed), [_str(t) for t in overdue])
+        expected, self.destroyed = self.destroyed, False
+        return Heartbeat(anew == 1 and not expected, int(reclaimed), [_str(t) for t in overdue])
 
     def enqueue(self, ticket: str, wait: float) -> Op[int]:
         """Queue a waiting acquire (FIFO across processes) for at most ``wait`` seconds;
@@ -770,6 +773,11 @@ class BalancerCore:
     def destroy(self) -> Op[int]:
         n = yield Call(load("destroy"), (self.width_ms, self.span))
         self.handles.clear()
+        # Its leases went with the keys; the keeper's next heartbeat registers the holder
+        # anew, which is no news after this process's own destroy.
+        self.held.clear()
+        self.latest.clear()
+        self.destroyed = True
         return int(n)
 
     def counts(self, server_ids: tuple[str, ...] = ()) -> Op[dict[str, int]]:

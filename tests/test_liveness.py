@@ -402,3 +402,18 @@ def test_asyncio_reconciling_leaves_alone_a_coalesced_release_in_flight(server, 
 
     assert asyncio.run(main()) == [0]  # one coalesced release call
     assert invariants.check(r, "inflight") == {"s0": 0, "s1": 0}
+
+
+def test_a_holder_declared_dead_is_reported_but_not_after_its_own_destroy(make_lb, r, caplog):
+    lb = make_lb(SERVERS, lease_ttl=0.4)
+    lb.acquire("x")
+    with caplog.at_level(logging.WARNING, logger="redis_router"):
+        r.zrem(f"rr:{{{lb.name}}}:holders", lb._core.holder)  # as another keeper's reap would
+        time.sleep(0.3)  # a few heartbeats (every 0.1 s)
+        assert caplog.text.count("had been declared dead") == 1
+        caplog.clear()
+        lb.acquire("y")
+        assert lb.destroy() > 0
+        time.sleep(0.3)
+        assert "had been declared dead" not in caplog.text
+        assert lb._core.held == {} and lb._core.latest == {}
