@@ -36,7 +36,7 @@ import redis
 
 from redis_router.local_server import LocalServer, first_server_binary
 
-from .compare import HERE, _worktree
+from .compare import HERE, worktree
 
 NAME = "bench-ab"
 REPLICAS = 8
@@ -176,23 +176,19 @@ def main(argv: list[str] | None = None) -> int:
     if binary is None:
         raise SystemExit("no redis-server / valkey-server found (see redis_router.local_server)")
     runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
-    with tempfile.TemporaryDirectory() as tmp, LocalServer(binary) as server:
-        trees = {"before": _worktree(args.rev, Path(tmp) / "before"), "after": HERE}
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        LocalServer(binary) as server,
+        worktree(args.rev, Path(tmp) / "before") as before,
+    ):
+        trees = {"before": before, "after": HERE}
         r = redis.Redis.from_url(server.url, decode_responses=True)
-        try:
-            _python(HERE, _SETUP, server.url, NAME, str(REPLICAS)).wait()  # one pool for both
-            for k in range(args.rounds):
-                order = ["before", "after"] if k % 2 == 0 else ["after", "before"]
-                for label in order:
-                    runs[label].append(measure(trees[label], r, server.url, args))
-                    print(
-                        f"  round {k + 1}: {label} {runs[label][-1]}", file=sys.stderr, flush=True
-                    )
-        finally:
-            subprocess.run(
-                ["git", "-C", str(HERE), "worktree", "remove", "--force", str(trees["before"])],
-                capture_output=True,
-            )
+        _python(HERE, _SETUP, server.url, NAME, str(REPLICAS)).wait()  # one pool for both
+        for k in range(args.rounds):
+            order = ["before", "after"] if k % 2 == 0 else ["after", "before"]
+            for label in order:
+                runs[label].append(measure(trees[label], r, server.url, args))
+                print(f"  round {k + 1}: {label} {runs[label][-1]}", file=sys.stderr, flush=True)
     print(
         f"before = {args.rev}, after = this checkout; {binary.label}; "
         f"{args.rounds} interleaved rounds, medians"

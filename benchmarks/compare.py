@@ -9,12 +9,14 @@ row's median over the rounds for both, and after/before.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +25,21 @@ from .harness import fmt_value
 HERE = Path(__file__).resolve().parent.parent
 
 
-def _worktree(rev: str, into: Path) -> Path:
+@contextlib.contextmanager
+def worktree(rev: str, into: Path) -> Iterator[Path]:
+    """Git revision ``rev`` checked out at ``into`` for the block, removed after it."""
     subprocess.run(
         ["git", "-C", str(HERE), "worktree", "add", "--detach", str(into), rev],
         check=True,
         capture_output=True,
     )
-    return into
+    try:
+        yield into
+    finally:
+        subprocess.run(
+            ["git", "-C", str(HERE), "worktree", "remove", "--force", str(into)],
+            capture_output=True,
+        )
 
 
 def _run(tree: Path, steps: str, quick: bool, out: Path) -> dict[str, dict[str, Any]]:
@@ -51,20 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
     args = ap.parse_args(argv)
     runs: dict[str, list[dict[str, dict[str, Any]]]] = {"before": [], "after": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        base = _worktree(args.rev, Path(tmp) / "before")
-        try:
-            for r in range(args.rounds):
-                order = [("before", base), ("after", HERE)]
-                for label, tree in order if r % 2 == 0 else reversed(order):
-                    out = Path(tmp) / f"{label}-{r}.json"
-                    runs[label].append(_run(tree, args.only, args.quick, out))
-                    print(f"  round {r + 1}: {label} done", file=sys.stderr, flush=True)
-        finally:
-            subprocess.run(
-                ["git", "-C", str(HERE), "worktree", "remove", "--force", str(base)],
-                capture_output=True,
-            )
+    with tempfile.TemporaryDirectory() as tmp, worktree(args.rev, Path(tmp) / "before") as base:
+        for r in range(args.rounds):
+            order = [("before", base), ("after", HERE)]
+            for label, tree in order if r % 2 == 0 else reversed(order):
+                out = Path(tmp) / f"{label}-{r}.json"
+                runs[label].append(_run(tree, args.only, args.quick, out))
+                print(f"  round {r + 1}: {label} done", file=sys.stderr, flush=True)
     ids = [i for i in runs["after"][0] if all(i in run for run in runs["before"])]
     print(f"before = {args.rev}, after = this checkout; medians of {args.rounds} run(s) each")
     print(f"{'row':<42} {'before':>14} {'after':>14} {'after/before':>13}")

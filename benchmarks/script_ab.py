@@ -34,7 +34,7 @@ from redis_router.local_server import LocalServer
 from redis_router.scripts import Script
 
 from .__main__ import _binary
-from .compare import HERE, _worktree
+from .compare import HERE, worktree
 
 SCRIPTS = ("acquire", "release")
 REPLICAS = 8
@@ -130,15 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     if not sizes or min(sizes) < 1 or args.calls < 1:
         raise SystemExit("--batch sizes and --calls must be at least 1")
     binary = _binary(args.server_bin)
-    with tempfile.TemporaryDirectory() as tmp, LocalServer(binary) as server:
-        before = _worktree(args.rev, Path(tmp) / "before")
-        try:
-            versions = {"before": sources(before), "after": sources(HERE)}
-        finally:
-            subprocess.run(
-                ["git", "-C", str(HERE), "worktree", "remove", "--force", str(before)],
-                capture_output=True,
-            )
+    with tempfile.TemporaryDirectory() as tmp, worktree(args.rev, Path(tmp) / "b") as before:
+        versions = {"before": sources(before), "after": sources(HERE)}
+    with LocalServer(binary) as server:
         results = {b: measure(server.url, versions, b, args.calls) for b in sizes}
     print(f"before = {args.rev}, after = this checkout; {binary.label}; {args.calls} calls each")
     print(f"{'script':<16} {'before':>16} {'after':>16} {'after/before':>14}")
