@@ -440,15 +440,20 @@ class AsyncRedisLoadBalancer:
         except asyncio.CancelledError:
             pending.add_done_callback(_release_when_granted)
             raise
-        renewer = asyncio.ensure_future(_renew_age(held, renew_every)) if renew_every else None
+        stop = asyncio.Event()
+        renewer = (
+            asyncio.ensure_future(_renew_age(held, stop, renew_every)) if renew_every else None
+        )
         try:
             yield held
         finally:
-            if renewer is not None:
-                renewer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await renewer
-            await held.release()
+            try:
+                if renewer is not None:
+                    stop.set()
+                    renewer.cancel()
+                    await asyncio.wait({renewer})  # a cancel of this task still propagates
+            finally:
+                await held.release()
 
     async def release_server(
         self,
@@ -570,11 +575,13 @@ def _release_in_background(release: Awaitable[bool]) -> None:
     pending.add_done_callback(_pending_releases.discard)
 
 
-async def _renew_age(lease: AsyncLease, every: float) -> None:
-    while True:
+async def _renew_age(lease: AsyncLease, stop: asyncio.Event, every: float) -> None:
+    """Renew every ``every`` seconds until ``stop``; checked after every await, since a cancel
+    can be lost before Python 3.12 (see keeper.keep_alive_async)."""
+    while not stop.is_set():
         await asyncio.sleep(every)
-        try:
+        if stop.is_set():
+            return
+        with contextlib.suppress(RedisUnavailable):  # try again next period
             if not await lease.renew():
                 return
-        except RedisUnavailable:
-            continue

@@ -103,14 +103,21 @@ def beat_sync(ref: weakref.ref[Any]) -> bool:
 
 
 async def keep_alive_async(ref: weakref.ref[Any], period: float) -> None:
-    """The asyncio keeper: a task that beats every ``period`` seconds while the balancer lives."""
+    """The asyncio keeper: a task that beats every ``period`` seconds while it is its
+    balancer's keeper. It checks that after every call instead of relying on cancellation
+    alone: before Python 3.12, ``asyncio.wait_for`` (redis-py sends every command through it)
+    loses a cancel that arrives as the send completes, and a keeper that outlived ``close()``
+    would register the retired holder again and keep its leases from being reclaimed."""
+    me = asyncio.current_task()
     while True:
         await asyncio.sleep(period)
         lb = ref()
-        if lb is None:
+        if lb is None or lb._keeper is not me:
             return
         try:
             report(lb._core, await lb._run(lb._core.heartbeat()))
+            if lb._keeper is not me:
+                return
             if _reconcile_due(lb):
                 report_reconciled(lb._core, await lb._run(lb._core.reconcile()))
         except RedisRouterError as exc:  # Redis unreachable, settings changed: next period
