@@ -193,7 +193,9 @@ class AsyncProcess(Process):
 
     def silence(self) -> None:
         async def stop() -> None:
-            keeper = self.lb._keeper
+            # Detached first, as close() does: the keeper checks that it is still wanted, since
+            # a cancel can be lost (before Python 3.12) and awaiting it would then hang.
+            keeper, self.lb._keeper = self.lb._keeper, None
             if keeper is not None:
                 keeper.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
