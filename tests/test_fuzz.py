@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import redis
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 
@@ -88,6 +88,7 @@ def test_every_id_is_routed_or_refused_without_writing(fuzz_server: LocalServer)
     @settings(max_examples=300, deadline=None, database=None)
     @given(value=ODD, kind=st.sampled_from(["request", "server", "token"]))
     def check(value: str, kind: str) -> None:
+        assume(kind != "server" or value != "a")  # removing it would empty the pool
         before = _dump(r)
         try:
             if kind == "request":
