@@ -663,7 +663,11 @@ class BalancerCore:
         )
         if int(examined) >= REAP_CHUNK:
             reclaimed = int(reclaimed) + (yield from self.reap())
-        expected, self.destroyed = self.destroyed, False
+        # Only a heartbeat that found the holder gone consumes the mark of this process's own
+        # destroy: one that ran before the destroy may be answered after it.
+        expected = anew == 1 and self.destroyed
+        if expected:
+            self.destroyed = False
         return Heartbeat(anew == 1 and not expected, int(reclaimed), [_str(t) for t in overdue])
 
     def enqueue(self, ticket: str, wait: float) -> Op[int]:
@@ -771,13 +775,18 @@ class BalancerCore:
         }
 
     def destroy(self) -> Op[int]:
-        n = yield Call(load("destroy"), (self.width_ms, self.span))
+        # Its leases go with the keys; the keeper's next heartbeat registers the holder anew,
+        # which is no news after this process's own destroy. Marked before the call: the
+        # keeper's heartbeat can find the keys gone before this call's reply is read.
+        self.destroyed = True
+        try:
+            n = yield Call(load("destroy"), (self.width_ms, self.span))
+        except GeneratorExit:  # the call failed (its driver closes the operation)
+            self.destroyed = False
+            raise
         self.handles.clear()
-        # Its leases went with the keys; the keeper's next heartbeat registers the holder
-        # anew, which is no news after this process's own destroy.
         self.held.clear()
         self.latest.clear()
-        self.destroyed = True
         return int(n)
 
     def counts(self, server_ids: tuple[str, ...] = ()) -> Op[dict[str, int]]:

@@ -417,3 +417,32 @@ def test_a_holder_declared_dead_is_reported_but_not_after_its_own_destroy(make_l
         time.sleep(0.3)
         assert "had been declared dead" not in caplog.text
         assert lb._core.held == {} and lb._core.latest == {}
+
+
+def test_heartbeats_answered_across_the_processs_own_destroy_report_nothing(make_lb, r):
+    """The keeper's heartbeat can run on the server before the destroy and be answered after
+    it, or run after it and be answered before the destroy's own reply is read: neither, nor
+    the heartbeats after, reports the holder as declared dead."""
+    lb = make_lb(SERVERS, lease_ttl=60.0)  # the keeper stays out of the way: beats by hand
+    core = lb._core
+    lb.acquire("x")
+
+    before = core.heartbeat()  # runs before the destroy, answered after it
+    ran_before = lb._exec(next(before))
+    destroy = core.destroy()
+    destroyed = lb._exec(next(destroy))
+    with pytest.raises(StopIteration) as answered:
+        before.send(ran_before)
+    assert answered.value.value.registered_anew is False
+
+    during = core.heartbeat()  # runs after the destroy, answered before its reply is read
+    with pytest.raises(StopIteration) as answered:
+        during.send(lb._exec(next(during)))
+    assert answered.value.value.registered_anew is False
+    with pytest.raises(StopIteration) as done:
+        destroy.send(destroyed)
+    assert done.value.value > 0
+
+    assert lb._run(core.heartbeat()).registered_anew is False
+    r.zrem(f"rr:{{{lb.name}}}:holders", core.holder)  # now as another keeper's reap would
+    assert lb._run(core.heartbeat()).registered_anew is True
