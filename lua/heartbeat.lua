@@ -11,11 +11,16 @@
 --          outlived max lease age and were ended }; CONFIGMISMATCH as acquire.
 -- Keeps    I1, I2: one call keeps every lease of the holder alive however long its requests
 --          run; a lease its holder forgot still ends after max lease age; the leases of
---          holders that stopped sending heartbeats are reclaimed, at most `budget` per call.
+--          holders that stopped sending heartbeats while Redis could hear them are
+--          reclaimed, at most `budget` per call; after a pause of Redis (a gap in what it
+--          heard) the holders unheard during it are on probation, not dead (lib/base.lua).
 --          I10, I11: ejections whose time is up end; a dead waiter passes its turn on.
 -- Uses     lib/base, lib/holders, lib/admission, lib/leases
 local holder, now = ARGV[1], now_ms()
 local budget = tonumber(ARGV[6])
+-- First note that Redis hears heartbeats again (after a pause: every holder unheard during it
+-- is on probation, lib/base.lua liveness()).
+local horizon = liveness(now, tonumber(ARGV[2]))
 local known = redis.call('ZSCORE', P .. 'holders', holder)
 local refused = heartbeat(holder, now, tonumber(ARGV[2]), ARGV[3], ARGV[7], ARGV[8], ARGV[9],
   ARGV[10], ARGV[11])
@@ -36,5 +41,5 @@ for _, token in ipairs(overdue) do
   end
 end
 rotate_ended(now, tonumber(ARGV[5]))
-local reclaimed, examined = reap(now, budget)
+local reclaimed, examined = reap(horizon, budget)
 return { known and 0 or 1, reclaimed, examined, overdue }

@@ -2,10 +2,25 @@
 -- KEYS[1]  key prefix "rr:{NAME}:"
 -- ARGV[1]  budget: most entries to examine in this call (the caller repeats while it is met)
 -- ARGV[2]  how long resent releases are recognised (ms)
--- Returns  { leases reclaimed, entries examined }.
--- Keeps    I1, I2: each lease of a dead holder is reclaimed exactly once, its count with it.
+-- ARGV[3]  the caller's lease ttl (ms): a gap in what Redis heard is judged by it
+-- Returns  { leases reclaimed, entries examined, ms until the probation after a pause ends
+--          while a holder on probation still has leases (0: none) }.
+-- Keeps    I1, I2: each lease of a dead holder is reclaimed exactly once, its count with it;
+--          a holder unheard only during a pause of Redis is on probation, not dead.
 -- Uses     lib/base, lib/admission, lib/leases
 local now = now_ms()
 rotate_ended(now, tonumber(ARGV[2]))
-local reclaimed, examined = reap(now, tonumber(ARGV[1]))
-return { reclaimed, examined }
+local horizon, till = liveness(now, tonumber(ARGV[3]))
+local reclaimed, examined = reap(horizon, tonumber(ARGV[1]))
+local limbo = 0
+if till > now then
+  -- A holder on probation (deadline passed during the gap) that still has leases.
+  for _, h in ipairs(redis.call('ZRANGEBYSCORE', P .. 'holders', '(' .. int(horizon), int(now),
+    'LIMIT', '0', '64')) do
+    if redis.call('EXISTS', P .. 'owned:' .. h) == 1 then
+      limbo = till - now
+      break
+    end
+  end
+end
+return { reclaimed, examined, int(limbo) }

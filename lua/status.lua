@@ -5,7 +5,8 @@
 --          { id, in-flight, draining (0/1), leases, sticky sessions, acquires,
 --            sticky hits, reclaimed, JSON metadata, sticky sessions re-pinned away from it
 --            by the affinity margin, then health (below) } for every replica (full or ejected
---            ones too), holders is { live, dead, leases of dead holders awaiting reclaim },
+--            ones too), holders is { live, dead, leases of dead holders awaiting reclaim,
+--            live ones on probation after a pause of Redis, ms the probation has left },
 --          waiting is { waiting now, the first one's wait so far (ms), served after waiting,
 --          their total and longest wait (ms), given up, abandoned (process died) }
 -- Keeps    read only.
@@ -50,10 +51,15 @@ for d, zs in ipairs({ 'load', 'draining', 'off' }) do
     }
   end
 end
-local dead = redis.call('ZRANGEBYSCORE', P .. 'holders', '-inf', now)
+-- Dead: deadline passed while Redis could hear heartbeats; on probation: unheard only during a
+-- pause of Redis (lib/base.lua liveness()), counted live until the probation ends.
+local horizon, till = liveness(now)
+local dead = redis.call('ZRANGEBYSCORE', P .. 'holders', '-inf', int(horizon))
 local waiting = 0
 for _, holder in ipairs(dead) do waiting = waiting + redis.call('ZCARD', P .. 'owned:' .. holder) end
-local live = redis.call('ZCOUNT', P .. 'holders', '(' .. now, '+inf')
+local live = redis.call('ZCOUNT', P .. 'holders', '(' .. int(horizon), '+inf')
+local probation = 0
+if till > now then probation = redis.call('ZCOUNT', P .. 'holders', '(' .. int(horizon), int(now)) end
 local head = redis.call('ZRANGE', P .. 'waiters', '0', '0')[1]
 local oldest = 0
 if head then
@@ -63,5 +69,5 @@ end
 local ws = redis.call('HMGET', P .. 'waitstats', 'served', 'waited_ms', 'max_ms', 'timed_out',
   'abandoned')
 for k = 1, 5 do ws[k] = tonumber(ws[k] or 0) end
-return { sessions, now, rows, { live, #dead, waiting },
+return { sessions, now, rows, { live, #dead, waiting, probation, int(math.max(0, till - now)) },
   { redis.call('ZCARD', P .. 'waiters'), oldest, ws[1], ws[2], ws[3], ws[4], ws[5] } }

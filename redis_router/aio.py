@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import time
 import weakref
@@ -28,6 +29,8 @@ from .connection import (
 )
 from .core import (
     EJECTION_SLACK,
+    PROBATION_SLACK,
+    RECLAIM_CALLS,
     WAIT_SLACK,
     Call,
     Grant,
@@ -48,6 +51,8 @@ from .errors import (
 from .policy import LeastLoaded, RoutingPolicy
 
 # Seconds close() waits for the cancelled keeper task to finish.
+log = logging.getLogger("redis_router")
+
 KEEPER_STOP_TIMEOUT = 5.0
 
 # A coalesced acquire: request id, the token of an earlier attempt (or None), the policy's
@@ -254,9 +259,12 @@ class AsyncRedisLoadBalancer:
         tokens: list[str] | None,
         fields: Sequence[Mapping[str, Any]] | None,
         wait: float | None,
+        reclaimed: bool = False,
     ) -> list[Grant]:
-        """``first`` (an acquire), and when it finds every eligible replica full, a wait in
-        the queue (see RedisLoadBalancer._wait_for_place) of at most ``wait`` seconds."""
+        """``first`` (an acquire), and when it finds every eligible replica full, dead
+        processes' places reclaimed (once, see RedisLoadBalancer._reclaim_for_place) and a
+        wait in the queue (see RedisLoadBalancer._wait_for_place) of at most ``wait``
+        seconds."""
         core = self._core
         budget = core.wait_timeout if wait is None else wait
         deadline = time.monotonic() + budget
@@ -266,6 +274,15 @@ class AsyncRedisLoadBalancer:
         except ReplicaEjected as exc:  # a sticky session waits for its replica's return
             ejected: ReplicaEjected | None = exc
         except NoCapacity:
+            if not reclaimed and await self._reclaim_for_place():
+                return await self._admitted(
+                    self._acquire(request_ids, tokens, fields),
+                    request_ids,
+                    tokens,
+                    fields,
+                    wait,
+                    reclaimed=True,
+                )
             if budget <= 0:
                 raise
             ejected = None
@@ -305,6 +322,17 @@ class AsyncRedisLoadBalancer:
             if not served:
                 with contextlib.suppress(RedisUnavailable):
                     await asyncio.shield(self._run(core.leave(ticket)))
+
+    async def _reclaim_for_place(self) -> bool:
+        """See RedisLoadBalancer._reclaim_for_place."""
+        core = self._core
+        reclaimed, limbo = await self._run(core.reap_all(RECLAIM_CALLS))
+        waited = limbo > 0  # another process (or its own keeper) may reap meanwhile
+        until = time.monotonic() + core.lease_ttl
+        while reclaimed == 0 and limbo > 0 and time.monotonic() < until:
+            await asyncio.sleep(min(limbo + PROBATION_SLACK, core.heartbeat_every / 2))
+            reclaimed, limbo = await self._run(core.reap_all(RECLAIM_CALLS))
+        return reclaimed > 0 or waited
 
     async def _block(self, key: str, timeout: float) -> None:
         """BLPOP for at most ``timeout`` s (see RedisLoadBalancer._block)."""
@@ -526,7 +554,7 @@ class AsyncRedisLoadBalancer:
     # -- lifetime --------------------------------------------------------------------------
 
     async def close(self) -> None:
-        """Stop the heartbeats, let unreleased leases be reclaimed at once, close the pool if
+        """Stop the heartbeats, end unreleased leases at once, close the pool if
         this balancer made it."""
         stopping, self._keeper = self._keeper, None
         if stopping is not None:
@@ -534,8 +562,18 @@ class AsyncRedisLoadBalancer:
             if stopping.get_loop() is asyncio.get_running_loop():
                 # Bounded: a heartbeat stuck in a dead connection must not hold up close().
                 await asyncio.wait({stopping}, timeout=KEEPER_STOP_TIMEOUT)
-            with contextlib.suppress(RedisUnavailable):
+            try:
                 await self._run(self._core.retire())
+            except (RedisRouterError, rx.RedisError) as exc:
+                # Unreachable, or refusing writes (out of memory): the holder's leases go once
+                # its deadline passes, as a dead process's.
+                log.warning(
+                    "balancer %r: close() could not end this process's leases now (%s); they "
+                    "are reclaimed within lease_ttl=%gs",
+                    self.name,
+                    type(exc).__name__,
+                    self._core.lease_ttl,
+                )
         if self._owns_client:
             await self._client.aclose()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import threading
 import time
@@ -23,6 +24,8 @@ from .connection import (
 )
 from .core import (
     EJECTION_SLACK,
+    PROBATION_SLACK,
+    RECLAIM_CALLS,
     WAIT_SLACK,
     Call,
     Grant,
@@ -33,8 +36,10 @@ from .core import (
     new_token,
     new_tokens,
 )
-from .errors import NoCapacity, RedisUnavailable, ReplicaEjected
+from .errors import NoCapacity, RedisRouterError, RedisUnavailable, ReplicaEjected
 from .policy import LeastLoaded, RoutingPolicy
+
+log = logging.getLogger("redis_router")
 
 
 class Lease:
@@ -210,6 +215,7 @@ class RedisLoadBalancer:
     ) -> list[Grant]:
         core = self._core
         started = time.monotonic()
+        reclaimed = False
         while True:
             try:
                 return self._run(core.acquire(request_ids, tokens, fields))
@@ -220,10 +226,31 @@ class RedisLoadBalancer:
                     raise
                 time.sleep(min(left, exc.seconds_left + EJECTION_SLACK))
             except NoCapacity:
+                if not reclaimed:
+                    reclaimed = True
+                    if self._reclaim_for_place():
+                        continue
                 budget = core.wait_timeout if wait is None else wait
                 if budget <= 0:
                     raise
                 return self._wait_for_place(request_ids, tokens, fields, budget, started + budget)
+
+    def _reclaim_for_place(self) -> bool:
+        """A refused acquire's first step: places held by dead processes are reclaimed now
+        (bounded work), and after a pause of Redis the probation of the processes unheard
+        during it is waited out (at most half the longest lease ttl in use), so a restarted
+        worker is not refused because of the leases its dead predecessor left. True if any
+        lease was reclaimed or a probation waited out (the acquire is worth retrying)."""
+        core = self._core
+        reclaimed, limbo = self._run(core.reap_all(RECLAIM_CALLS))
+        waited = limbo > 0  # another process (or its own keeper) may reap meanwhile
+        # While it waits, it keeps Redis hearing it (a probation ends only once Redis has
+        # listened through it), at most lease_ttl in all.
+        until = time.monotonic() + core.lease_ttl
+        while reclaimed == 0 and limbo > 0 and time.monotonic() < until:
+            time.sleep(min(limbo + PROBATION_SLACK, core.heartbeat_every / 2))
+            reclaimed, limbo = self._run(core.reap_all(RECLAIM_CALLS))
+        return reclaimed > 0 or waited
 
     def _wait_for_place(
         self,
@@ -453,14 +480,24 @@ class RedisLoadBalancer:
     # -- lifetime --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the heartbeats and let this balancer's unreleased leases be reclaimed at once
+        """Stop the heartbeats and end this balancer's unreleased leases at once
         (nothing can keep them alive any more); close the connection pool if this balancer
         made it (a client you passed stays open)."""
         stopping, self._keeper = self._keeper, None
         if stopping is not None:
             stopping.stop()
-            with contextlib.suppress(RedisUnavailable):
+            try:
                 self._run(self._core.retire())
+            except (RedisRouterError, rx.RedisError) as exc:
+                # Unreachable, or refusing writes (out of memory): the holder's leases go once
+                # its deadline passes, as a dead process's.
+                log.warning(
+                    "balancer %r: close() could not end this process's leases now (%s); they "
+                    "are reclaimed within lease_ttl=%gs",
+                    self.name,
+                    type(exc).__name__,
+                    self._core.lease_ttl,
+                )
         if self._owns_client:
             self._client.close()
 

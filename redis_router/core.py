@@ -27,6 +27,14 @@ Op = Generator["Call", Any, T]
 # the keeper and reap() send more while one comes back full, so Redis serves other clients in
 # between however many leases a crash left.
 REAP_CHUNK = 8
+# An acquire refused for capacity first reclaims dead holders' leases, in at most this many
+# reap calls (REAP_CHUNK entries each), and retries; the refusal stands only after that.
+RECLAIM_CALLS = 16
+# Leases a closing balancer ends per call (it calls again while some are left).
+RETIRE_CHUNK = 256
+# ... and waits out a probation after a pause of Redis (a holder unheard during it may be
+# dead), plus this margin, before it reaps again.
+PROBATION_SLACK = 0.05
 # Heartbeats per lease_ttl: a holder survives three lost or late heartbeats in a row.
 HEARTBEATS_PER_TTL = 4
 # A lease younger than this (ms, Redis clock) is never ended by reconcile(): its grant may
@@ -694,10 +702,18 @@ class BalancerCore:
         raw = yield Call(load("report"), tuple(flat))
         return {_str(raw[i]): _str(raw[i + 1]) for i in range(0, len(raw), 2)}
 
-    def retire(self) -> Op[None]:
-        """Declare this holder dead now: its leases are reclaimed by the next acquire, reap or
-        heartbeat of any process (a closed balancer can no longer keep them alive)."""
-        yield Call(load("retire"), (self.holder,))
+    def retire(self) -> Op[int]:
+        """End this holder's leases now and let it leave (a closed balancer can no longer keep
+        them alive), RETIRE_CHUNK per call; a call that never comes back leaves the holder
+        dead, its remaining leases to any reaper. Returns how many leases ended."""
+        ended = 0
+        while True:
+            _, n, more = yield Call(load("retire"), (self.holder, RETIRE_CHUNK))
+            ended += int(n)
+            if not int(more):
+                self.held.clear()
+                self.latest.clear()
+                return ended
 
     def add_servers(
         self, servers: Mapping[str, Any], capacity: Mapping[str, int] | None = None
@@ -733,12 +749,20 @@ class BalancerCore:
         return int((yield Call(load("drain" if draining else "undrain"), tuple(ids))))
 
     def reap(self) -> Op[int]:
-        total = 0
+        return (yield from self.reap_all())[0]
+
+    def reap_all(self, most: int | None = None) -> Op[tuple[int, float]]:
+        """Reclaim the leases of dead holders, a chunk per call, up to ``most`` calls (None:
+        until done). Returns (leases reclaimed, seconds until the probation after a pause of
+        Redis ends while a holder unheard during it still has leases: 0.0 when none)."""
+        total, calls = 0, 0
         while True:
-            n, examined = yield Call(load("reap"), (REAP_CHUNK, RESEND_WINDOW_MS))
-            total += int(n)
-            if int(examined) < REAP_CHUNK:
-                return total
+            n, examined, limbo = yield Call(
+                load("reap"), (REAP_CHUNK, RESEND_WINDOW_MS, self.lease_ms)
+            )
+            total, calls = total + int(n), calls + 1
+            if int(examined) < REAP_CHUNK or (most is not None and calls >= most):
+                return total, int(limbo) / 1000
 
     def request_owner(self, request_id: str) -> Op[str | None]:
         """The replica serving ``request_id`` now (a live lease), or None: whom to send an
@@ -833,7 +857,11 @@ class BalancerCore:
             "group_cap": self.group_cap,
             "group_by": self.group_by,
             "holders": dict(
-                zip(("live", "dead", "awaiting_reclaim"), map(int, holders), strict=True)
+                zip(
+                    ("live", "dead", "awaiting_reclaim", "on_probation", "probation_ms"),
+                    map(int, holders),
+                    strict=True,
+                )
             ),
             "ejection": health.ejection_status(
                 self.eject_after,

@@ -27,6 +27,7 @@ local function admit()
   -- The first live waiter, after dropping those whose time is up or whose holder is dead (a
   -- crashed process leaves nothing behind for longer than its lease ttl).
   function M.first_waiter(now)
+    local horizon = nil
     while true do
       local head = redis.call('ZRANGE', P .. 'waiters', '0', '0')[1]
       if not head then return nil end
@@ -37,7 +38,11 @@ local function admit()
         local b = string.find(w, SEP, a + 1, true)
         holder, til = string.sub(w, 1, a - 1), tonumber(string.sub(w, a + 1, b - 1))
       end
-      local alive = holder and tonumber(redis.call('ZSCORE', P .. 'holders', holder) or 0) > now
+      local alive = false
+      if holder then
+        horizon = horizon or liveness(now)
+        alive = tonumber(redis.call('ZSCORE', P .. 'holders', holder) or 0) > horizon
+      end
       if w and til > now and alive then return head end
       redis.call('ZREM', P .. 'waiters', head)
       redis.call('HDEL', P .. 'waiting', head)

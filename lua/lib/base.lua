@@ -32,6 +32,8 @@
 --   P.."ejected", P.."eject_why", P.."fails", P.."ejections", P.."failures": lib/health.lua
 --   P.."waiters", P.."waiting", P.."wake:"..ticket, P.."waitseq", P.."waitstats": waiting
 --                             acquires (lib/leases.lua)
+--   P.."clock"          HASH  when Redis last heard a heartbeat and the probation after a
+--                             pause (liveness() below)
 -- Invariants (docs/design.md): I1 ZSCORE load|draining|off id == ZCARD held:id after every script,
 -- and ZSCORE weighted id == the sum of its leases' weights; I2 every lease is in its holder's
 -- owned set, every owned token is a lease, and a holder leaves P.."holders" only once it owns
@@ -59,6 +61,50 @@ local function int(n) return fmt('%d', n) end
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- Liveness is judged on the time Redis could hear heartbeats, not on wall time. A stall, a
+-- SIGSTOP, CLIENT PAUSE, an out-of-memory spell that refuses writes, or a restart from
+-- persistence stops every heartbeat at once; the first script after it would find every
+-- holder's deadline passed. So heartbeats (and reaps) note when they ran (P.."clock" heard),
+-- and a script that finds Redis unheard for longer than half the shortest lease ttl in use
+-- records a gap: holders whose deadline fell after its start are on probation for half the
+-- longest lease ttl in use, time for their keepers to be heard again (etcd extends every
+-- lease after a leader change for the same reason). A holder whose deadline passed before
+-- the gap began was dead while Redis listened, and is reaped at once.
+-- P.."clock" fields: heard (ms), since (gap start) and till (probation end), short and long
+-- (lease ttls in use, ms) with the times they were last seen.
+-- Returns the horizon: a holder whose deadline is at most this is dead; and the probation's
+-- end (ms, 0 = none). `ttl` (the caller's lease ttl, ms) makes it write the clock: only
+-- scripts that may reap pass it; nil only reads (status, a waiter's check).
+local function liveness(now, ttl)
+  local c = redis.call('HMGET', P .. 'clock', 'heard', 'since', 'till', 'short', 'short_at',
+    'long', 'long_at')
+  local heard, since, till = tonumber(c[1]), tonumber(c[2]), tonumber(c[3])
+  local short, short_at, long, long_at = tonumber(c[4]), tonumber(c[5]), tonumber(c[6]),
+    tonumber(c[7])
+  local lim = short or ttl
+  local paused = heard and lim and now - heard > lim / 2
+  if paused then
+    -- Unheard since `heard`: a pause (or nobody was alive). A gap inside a probation still
+    -- running extends it and keeps its start.
+    if not (till and since and till > heard) then since = heard end
+    till = now + math.max(long or 0, ttl or 0, lim) / 2
+  end
+  if ttl then
+    -- A ttl in use is forgotten once Redis heard others for four of its lengths without it
+    -- (judged on heard time, so a pause forgets nothing).
+    local t = paused and heard or now
+    if not short or ttl <= short or t - short_at > 4 * short then short, short_at = ttl, now end
+    if not long or ttl >= long or t - long_at > 4 * long then long, long_at = ttl, now end
+    redis.call('HSET', P .. 'clock', 'heard', int(now), 'short', int(short), 'short_at',
+      int(short_at), 'long', int(long), 'long_at', int(long_at))
+    if till and till > now then
+      redis.call('HSET', P .. 'clock', 'since', int(since), 'till', int(till))
+    end
+  end
+  if till and till > now then return since, till end
+  return now, 0
 end
 
 -- The sorted set that holds id's count, or nil when id is not in the pool.

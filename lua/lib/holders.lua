@@ -9,6 +9,8 @@
 -- reply "CONFIGMISMATCH <field> <pinned value>" on a mismatch, with nothing pinned.
 local function heartbeat(holder, now, ttl, ...)
   if redis.call('ZADD', P .. 'holders', 'GT', int(now + ttl), holder) == 0 then return nil end
+  -- A holder new to Redis is heard now: a pause before its keeper's first beat is a gap too.
+  liveness(now, ttl)
   -- The settings every process of a balancer must share, as fields of P.."config" ("" = off)
   -- (a table made only here: most calls of the scripts that load this part never get here).
   local PINNED = { 'sticky_ttl_ms', 'affinity_margin', 'affinity_ratio', 'group_cap', 'group_by',

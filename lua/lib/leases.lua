@@ -87,12 +87,13 @@ local function rotate_ended(now, remember)
   end
 end
 
--- Reclaim the leases of dead holders (deadline passed: the process stopped sending heartbeats),
--- each exactly once (I2). At most `budget` entries are examined (a lease or a holder each), so
--- one call stays short however many leases a crash left. Returns how many leases ended and
--- how many entries were examined.
-local function reap(now, budget)
-  local n, seen, now_s = 0, 0, int(now)
+-- Reclaim the leases of dead holders (deadline at most `horizon`, liveness() in lib/base: the
+-- process stopped sending heartbeats while Redis could hear them), each exactly once (I2). At
+-- most `budget` entries are examined (a lease or a holder each), so one call stays short
+-- however many leases a crash left. Returns how many leases ended and how many entries were
+-- examined.
+local function reap(horizon, budget)
+  local n, seen, now_s = 0, 0, int(horizon)
   while seen < budget do
     local dead = redis.call('ZRANGEBYSCORE', P .. 'holders', '-inf', now_s, 'LIMIT', '0', '1')
     if #dead == 0 then break end

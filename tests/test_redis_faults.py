@@ -1,0 +1,257 @@
+"""Faults the Redis server itself goes through: a stall (SIGSTOP), CLIENT PAUSE, an
+out-of-memory spell that refuses heartbeats, a restart from persistence. Liveness is judged on
+the time Redis could hear heartbeats, so none of them reclaims the leases of live processes,
+and a process that died while Redis listened is still reclaimed."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+
+from redis_router import AsyncRedisLoadBalancer, RedisLoadBalancer
+from redis_router.local_server import LocalServer, ServerBinary
+
+from . import invariants
+
+SERVERS = {"s0": "a", "s1": "b"}
+
+
+@pytest.fixture
+def private(binary: ServerBinary) -> Iterator[LocalServer]:
+    """A server of this binary of the test's own (it will be stopped, paused or restarted),
+    persistent (AOF fsynced on every write) so that a restart keeps every key."""
+    srv = LocalServer(binary, persistent=True).start()
+    try:
+        yield srv
+    finally:
+        if srv.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(srv.pid, signal.SIGCONT)
+        srv.close()
+
+
+@contextlib.contextmanager
+def stopped(server: LocalServer, seconds: float) -> Iterator[None]:
+    """The server process stopped (SIGSTOP) for ``seconds``, then continued."""
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+        yield
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+
+
+def _poll(check: Callable[[], bool], limit: float, what: str) -> float:
+    started = time.monotonic()
+    while not check():
+        assert time.monotonic() - started < limit, f"not within {limit:g}s: {what}"
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def _raw(server: LocalServer) -> redis.Redis:
+    return server.client(decode_responses=True)
+
+
+def _two_live_holders(server: LocalServer, ttl: float) -> tuple[RedisLoadBalancer, ...]:
+    a = RedisLoadBalancer(SERVERS, redis=server.url, name="faults", lease_ttl=ttl)
+    b = RedisLoadBalancer(redis=server.url, name="faults", lease_ttl=ttl)
+    a.acquire_server("ra")
+    b.acquire_server("rb")
+    return a, b
+
+
+def _settle(ttl: float) -> None:
+    """Long enough for any reaping a pause could cause: the probation (half the ttl) and a few
+    heartbeat periods after it."""
+    time.sleep(ttl * 1.5)
+
+
+def test_a_stall_longer_than_lease_ttl_reclaims_no_live_lease(private):
+    ttl = 1.0
+    a, b = _two_live_holders(private, ttl)
+    try:
+        with stopped(private, 2.5 * ttl):
+            pass
+        _settle(ttl)
+        assert a.get_total_inflight() == 2
+        assert invariants.check(_raw(private), "faults") == {"s0": 1, "s1": 1}
+        assert a.release_server(a.request_owner("ra") or "", "ra")
+        assert b.release_server(b.request_owner("rb") or "", "rb")
+        assert invariants.check(_raw(private), "faults") == {"s0": 0, "s1": 0}
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_holder_dead_before_the_stall_is_still_reclaimed(private):
+    ttl = 1.0
+    a, b = _two_live_holders(private, ttl)
+    dead = RedisLoadBalancer(redis=private.url, name="faults", lease_ttl=ttl)
+    try:
+        dead.acquire_many(["d1", "d2"])
+        invariants.silence(dead)  # its heartbeats stop, as if the process had died
+        # Reclaimed while Redis listens (the live keepers beat meanwhile) ...
+        _poll(lambda: a.get_total_inflight() == 2, 10 * ttl, "the dead holder reclaimed")
+        # ... and a stall afterwards changes nothing for the living.
+        with stopped(private, 2.5 * ttl):
+            pass
+        _settle(ttl)
+        assert invariants.check(_raw(private), "faults") == {"s0": 1, "s1": 1}
+    finally:
+        for lb in (a, b, dead):
+            lb.close()
+
+
+def test_a_holder_that_dies_during_the_stall_is_reclaimed_after_its_probation(private):
+    ttl = 1.0
+    a, b = _two_live_holders(private, ttl)
+    dead = RedisLoadBalancer(redis=private.url, name="faults", lease_ttl=ttl)
+    try:
+        dead.acquire_many(["d1", "d2"])
+        with stopped(private, 2.5 * ttl):
+            invariants.silence(dead)
+        started = time.monotonic()
+        _poll(lambda: a.get_total_inflight() == 2, 10 * ttl, "the dead holder reclaimed")
+        # Not before the probation after the stall (half the ttl) has passed.
+        assert time.monotonic() - started >= ttl / 2 - 0.2
+        assert invariants.check(_raw(private), "faults") == {"s0": 1, "s1": 1}
+    finally:
+        for lb in (a, b, dead):
+            lb.close()
+
+
+def test_client_pause_write_longer_than_lease_ttl_reclaims_no_live_lease(private):
+    ttl = 1.0
+    a, b = _two_live_holders(private, ttl)
+    pauser = _raw(private)
+    try:
+        pauser.execute_command("CLIENT", "PAUSE", int(2.5 * ttl * 1000), "WRITE")
+        time.sleep(2.5 * ttl + 0.1)
+        _settle(ttl)
+        assert invariants.check(_raw(private), "faults") == {"s0": 1, "s1": 1}
+        assert a.release_server(a.request_owner("ra") or "", "ra")
+        assert b.release_server(b.request_owner("rb") or "", "rb")
+    finally:
+        pauser.execute_command("CLIENT", "UNPAUSE")
+        a.close()
+        b.close()
+
+
+def test_an_out_of_memory_spell_that_refuses_heartbeats_reclaims_no_live_lease(private):
+    ttl = 1.0
+    a, b = _two_live_holders(private, ttl)
+    r = _raw(private)
+    used = int(r.info("memory")["used_memory"])
+    try:
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", str(used + 4 * 1024 * 1024))
+        with contextlib.suppress(redis.exceptions.ResponseError):
+            for i in range(64):  # fill it: every write, heartbeats included, is refused
+                r.set(f"ballast:{i}", "x" * (256 * 1024))
+        time.sleep(2.5 * ttl)
+        r.delete(*[f"ballast:{i}" for i in range(64)])
+        r.config_set("maxmemory", "0")
+        _settle(ttl)
+        assert invariants.check(r, "faults") == {"s0": 1, "s1": 1}
+        assert a.release_server(a.request_owner("ra") or "", "ra")
+        assert b.release_server(b.request_owner("rb") or "", "rb")
+    finally:
+        r.config_set("maxmemory", "0")
+        a.close()
+        b.close()
+
+
+def test_a_persistent_restart_longer_than_lease_ttl_reclaims_no_live_lease(private):
+    ttl = 1.0
+    a, b = _two_live_holders(private, ttl)
+    try:
+        private.stop()
+        time.sleep(2.5 * ttl)
+        private.start()
+        _settle(ttl)
+        assert invariants.check(_raw(private), "faults") == {"s0": 1, "s1": 1}
+        assert a.release_server(a.request_owner("ra") or "", "ra")
+        assert b.release_server(b.request_owner("rb") or "", "rb")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_asyncio_holders_survive_a_stall(private):
+    import asyncio
+
+    ttl = 1.0
+
+    async def main() -> None:
+        a = AsyncRedisLoadBalancer(SERVERS, redis=private.url, name="faults", lease_ttl=ttl)
+        b = AsyncRedisLoadBalancer(redis=private.url, name="faults", lease_ttl=ttl)
+        try:
+            await a.acquire_server("ra")
+            await b.acquire_server("rb")
+            assert private.pid is not None
+            os.kill(private.pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(2.5 * ttl)
+            finally:
+                os.kill(private.pid, signal.SIGCONT)
+            await asyncio.sleep(1.5 * ttl)
+            assert await a.get_total_inflight() == 2
+            assert await b.release_server(await b.request_owner("rb") or "", "rb")
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(main())
+    assert sum(invariants.check(_raw(private), "faults").values()) == 0  # closed: all let go
+
+
+HOLD_ALL = """
+import sys, time
+from redis_router import RedisLoadBalancer
+lb = RedisLoadBalancer(redis=sys.argv[1], name="faults", lease_ttl=float(sys.argv[2]))
+lb.acquire_many(["d0", "d1"])
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_restarted_worker_is_not_refused_because_of_its_dead_predecessor(private):
+    """Capacities set, a worker SIGKILLed holding every place, a new process later: its first
+    acquire reclaims the dead places (after the probation a silence of Redis gives) instead
+    of raising NoCapacity on an idle pool."""
+    ttl = 1.0
+    admin = RedisLoadBalancer(
+        {"s0": {"url": "a", "capacity": 1}, "s1": {"url": "b", "capacity": 1}},
+        redis=private.url,
+        name="faults",
+        lease_ttl=ttl,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD_ALL, private.url, str(ttl)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        proc.kill()
+        proc.wait()
+        time.sleep(3 * ttl)  # longer than lease_ttl: nobody listened meanwhile
+        fresh = RedisLoadBalancer(redis=private.url, name="faults", lease_ttl=ttl)
+        try:
+            sid, _ = fresh.acquire_server("first")  # wait_timeout 0: no queueing
+            assert sid in ("s0", "s1")
+            assert invariants.check(_raw(private), "faults")[sid] == 1
+        finally:
+            fresh.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        admin.close()
