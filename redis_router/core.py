@@ -551,18 +551,29 @@ class BalancerCore:
         if failed or self.ejection:
             return (yield from self.release_many([(server_id, request_id, token)], [failed]))[0]
         # The common case: one release, no health marks (release_many does the same per item).
-        named = self._named(server_id, request_id, token)
+        request_id, named = self._named(server_id, request_id, token)
         try:
             return self._ended(
-                (yield Call(self._release, (server_id, request_id or "", named, new_token())))[0]
+                (yield Call(self._release, (server_id, request_id, named, new_token())))[0]
             )
         finally:
             self._answered((named,))
 
-    def _named(self, server_id: str, request_id: str | None, token: str | None) -> str:
-        """The token a release sends: its own, else this holder's latest lease of the request
-        there as a hint ("?token"), else none; the lease leaves the local ledger now, even if
-        the call fails (reconcile() ends it then), and is in `releasing` until answered."""
+    def _named(
+        self, server_id: str, request_id: str | None, token: str | None
+    ) -> tuple[str, str]:
+        """The request id and token a release sends: its own token, else this holder's latest
+        lease of the request there as a hint ("?token"), else none; without a request id,
+        this holder's oldest lease on that replica when it has one (so a process never ends
+        another's lease while its own stays counted), else the replica's oldest. The lease
+        leaves the local ledger now, even if the call fails (reconcile() ends it then), and is
+        in `releasing` until answered."""
+        if not request_id and not token:
+            # The ledger is in acquire order; a copy, as other threads may change it.
+            request_id = next((rid for sid, rid in self.latest.copy() if sid == server_id), "")
+        return request_id or "", self._token_named(server_id, request_id, token)
+
+    def _token_named(self, server_id: str, request_id: str | None, token: str | None) -> str:
         if request_id:
             latest = self.latest
             mine = latest.pop((server_id, request_id), None)
@@ -610,11 +621,10 @@ class BalancerCore:
             ok = "+" if self.ejection else ""
             bad = failed or [False] * len(ops)
             ops = [("!" if b else ok) + op for op, b in zip(ops, bad, strict=True)]
-        names = [
-            self._named(server_id, request_id, token) for server_id, request_id, token in releases
-        ]
-        for (server_id, request_id, _), named, op in zip(releases, names, ops, strict=True):
-            flat += (server_id, request_id or "", named, op)
+        resolved = [self._named(sid, request_id, token) for sid, request_id, token in releases]
+        names = [named for _, named in resolved]
+        for (server_id, _, _), (request_id, named), op in zip(releases, resolved, ops, strict=True):
+            flat += (server_id, request_id, named, op)
         try:
             return [self._ended(outcome) for outcome in (yield Call(self._release, tuple(flat)))]
         finally:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,7 +38,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from redis_router import AsyncRedisLoadBalancer, NoCapacity, NoServersAvailable, RedisLoadBalancer
-from redis_router.core import new_token
+from redis_router.core import RESEND_WINDOW_MS, Call, new_token
 from redis_router.local_server import LocalServer, first_server_binary
 from redis_router.plugins.least_tokens import AsyncLeastTokensRouter, LeastTokensRouter
 from redis_router.plugins.prefix_cache import (
@@ -44,6 +46,7 @@ from redis_router.plugins.prefix_cache import (
     PrefixCacheRouter,
     chain_hashes,
 )
+from redis_router.scripts import load
 
 from . import invariants
 from .model import EJECT_AFTER, MAX_EJECTED, Model, NoServers, PrefixPolicy, Prompt
@@ -66,6 +69,13 @@ STALL = 2 * TIMEOUT
 STALL_EVERY = 200  # operations per stall, at most (each costs STALL)
 PAUSE = 1.2 * LEASE_TTL  # processes live this long without a call, their keepers beating
 PAUSE_EVERY = 400  # operations per pause, at most
+# The server itself stops (SIGSTOP) for longer than lease_ttl, then goes on: live holders are
+# on probation, not dead (lib/base.lua liveness()), and keep every lease.
+SERVER_PAUSE = 1.5 * LEASE_TTL
+SERVER_PAUSE_EVERY = 400
+# How often the listener (below) is heard: well under half the lease ttl, the gap that makes
+# Redis assume it was paused.
+LISTEN_EVERY = LEASE_TTL / 16
 BUSY = "local n = 0 for i = 1, tonumber(ARGV[1]) do n = n + i end return 1"
 
 # prefix_cache: blocks of 4 tokens; prompts that share 2, 1 or no leading blocks with A.
@@ -103,6 +113,7 @@ class Stats:
     reclaims: int = 0  # reclaims of dead holders' leases, and leases reclaimed
     reclaimed: int = 0
     pauses: int = 0  # waits past lease_ttl with leases held
+    server_pauses: int = 0  # the server stopped (SIGSTOP) past lease_ttl
     stalls: int = 0  # calls made while the server was stalled past the client's timeout
     resent: int = 0  # ... that timed out and were sent again
     drops: int = 0  # connections closed between calls
@@ -116,7 +127,8 @@ class Stats:
         return (
             f"{self.operations} operations in {self.sequences} sequences; "
             f"{self.deaths} deaths, {self.closes} closes, {self.reclaimed} leases reclaimed in "
-            f"{self.reclaims} reclaims, {self.pauses} pauses past lease_ttl, {self.stalls} "
+            f"{self.reclaims} reclaims, {self.pauses} pauses past lease_ttl, "
+            f"{self.server_pauses} server pauses past lease_ttl, {self.stalls} "
             f"calls under a stall past the client timeout ({self.resent} resent), "
             f"{self.kills} connections killed while their command waited, {self.drops} "
             f"dropped between calls, {self.batches} coalesced gathers; {self.ejections} "
@@ -223,6 +235,34 @@ class ImpatientProcess(Process):
     impatient = True
 
 
+class Listener:
+    """Heartbeats of a holder that owns nothing and reaps nothing, from a thread: Redis
+    hears the living at all times, as in a deployment whose workers' keepers beat. Without
+    it, a stretch in which no simulated process beats would look to Redis like a pause of
+    its own, and a dead holder's leases would wait out a probation the model does not
+    predict (tests/test_redis_faults.py covers that case)."""
+
+    def __init__(self, lb: Any) -> None:
+        c = lb._core
+        self._lb, self.holder = lb, c.holder
+        self._args = (c.holder, c.lease_ms, c.sticky_ms, c.max_age_ms, RESEND_WINDOW_MS, 0,
+                      *c.routing, c.ejection)  # fmt: skip
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        script = load("heartbeat")
+        while not self._stop.wait(LISTEN_EVERY):
+            with contextlib.suppress(Exception):  # a pause of the server, a dropped link
+                self._lb._exec(Call(script, self._args))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._lb.close()
+
+
 class Stall:
     """A script keeping the server busy, run from another connection's thread. ``join`` checks
     it stayed well inside a live holder's slack (its heartbeats wait behind it): a longer one
@@ -285,6 +325,7 @@ class BalancerMachine(RuleBasedStateMachine):
         self.gone: list[str] = []  # tokens that were leases once, to use again
         self.steps = 0
         self._blocker: redis.Redis | None = None
+        self.listener = Listener(self.new_balancer(self.url))
         if not BalancerMachine.stall_loops:
             BalancerMachine.stall_loops = _loop_count_for(self.r, STALL)
 
@@ -336,6 +377,7 @@ class BalancerMachine(RuleBasedStateMachine):
         return procs[who % len(procs)]
 
     def teardown(self) -> None:
+        self.listener.close()
         for p in self.procs:
             with contextlib.suppress(Exception):
                 p.close()
@@ -403,9 +445,16 @@ class BalancerMachine(RuleBasedStateMachine):
         self.procs.remove(proc)
         self.procs.append(self.spawn(PROCESSES - 1 if proc.impatient else 0))
         if closing:
+            tokens = self.model.tokens_of(proc.holder)
             proc.close()
             self.stats.closes += 1
-            self._reclaim([proc])
+            # close() ends the leases itself, as releases (not counted as reclaimed), and
+            # its holder leaves.
+            assert self._still_leases(tokens) == [], "close() left leases counted"
+            for token in tokens:
+                self.model.release_token(token, None)
+            self.gone += tokens
+            assert self.r.zscore(self.p + "holders", proc.holder) is None
             return
         proc.silence()
         self.stats.deaths += 1
@@ -633,7 +682,21 @@ class BalancerMachine(RuleBasedStateMachine):
     def release_by_server(self, who: int, sid: str) -> None:
         self._ready()
         p = self.proc(who)
-        self._release_oldest(sid, self._call(p.call, "release_server", sid)[0])
+        self._release_by_server(p, sid, lambda: self._call(p.call, "release_server", sid)[0])
+
+    def _release_by_server(self, p: Process, sid: str, release: Any) -> None:
+        """A release by replica only ends the process's own lease there when its ledger has
+        one (as a release by that request id), else the replica's oldest."""
+        latest = p.lb._core.latest
+        rid = next((r for s, r in latest.copy() if s == sid), None)
+        if rid is None:
+            self._release_oldest(sid, release())
+            return
+        token = self.model.ended_by_request(sid, rid, latest.get((sid, rid)))
+        assert release() == (token is not None)
+        if token is not None:
+            self.model.release_token(token)
+            self.gone.append(token)
 
     def _release_oldest(self, sid: str, done: bool) -> None:
         candidates = self.model.oldest_candidates(sid)
@@ -732,6 +795,22 @@ class BalancerMachine(RuleBasedStateMachine):
         self._ready(PAUSE + STEP)
         time.sleep(PAUSE)  # the keepers keep every live lease
         self.stats.pauses += 1
+
+    @rule()
+    def the_server_pauses_past_lease_ttl(self) -> None:
+        if not self._due("server_pauses", SERVER_PAUSE_EVERY):
+            return
+        # No dying holder may come due during the pause and the probation after it: the
+        # model would not know when its leases go.
+        self._ready(SERVER_PAUSE + LEASE_TTL + STEP)
+        pid = int(self.r.info("server")["process_id"])
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(SERVER_PAUSE)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(LEASE_TTL)  # the probation, and the keepers heard again: no lease went
+        self.stats.server_pauses += 1
 
     @rule(who=st.integers(0, 7))
     def connections_drop_between_calls(self, who: int) -> None:
@@ -833,7 +912,7 @@ class BalancerMachine(RuleBasedStateMachine):
                 self.model.release_token(token)
                 self.gone.append(token)
             return
-        self._release_oldest(sid, call(lambda: p.call("release_server", sid))[0])
+        self._release_by_server(p, sid, lambda: call(lambda: p.call("release_server", sid))[0])
 
     # -- after every step ------------------------------------------------------------------
 
@@ -851,7 +930,8 @@ class BalancerMachine(RuleBasedStateMachine):
         owners = {x.holder for x in self.model.leases.values()}
         registered = set(self.r.zrange(self.p + "holders", 0, -1))
         assert owners <= registered, "a holder with leases is not registered"
-        assert registered <= {q.holder for q in self.procs + self.dying}, "unknown holder"
+        known = {q.holder for q in self.procs + self.dying} | {self.listener.holder}
+        assert registered <= known, "unknown holder"
         self.check_router_state()
 
     def check_router_state(self) -> None:

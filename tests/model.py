@@ -301,6 +301,17 @@ class Model:
         token = self.first_of_request(server_id, request_id)
         return token is not None and self.release_token(token)
 
+    def server_candidates(self, server_id: str, holder: str) -> set[str]:
+        """Tokens a release by replica only from ``holder`` may end: one of its own leases
+        there (the client picks from its ledger), else the replica's oldest."""
+        mine = self.retried.get(holder, set())
+        own = {
+            t
+            for t, lease in self.leases.items()
+            if lease.server_id == server_id and (lease.holder == holder or t in mine)
+        }
+        return own | self.oldest_candidates(server_id)
+
     def oldest_candidates(self, server_id: str) -> set[str]:
         """Tokens that may be the oldest lease on server_id (release by replica only): those
         that may have been acquired in the same Redis millisecond as the first one."""

@@ -213,7 +213,7 @@ def _released(
     holder: str,
 ) -> list[Model]:
     """Apply the release batch, in order, to each model; a release by replica only, or by
-    request id (which names the releasing balancer's own lease, if it has one), branches
+    request id (each names the releasing balancer's own lease, if it has one), branches
     over its candidates. Keeps the models whose every reply matches."""
     for (kind, sid, rid, token), done in zip(releases, got, strict=True):
         after: list[Model] = []
@@ -225,7 +225,7 @@ def _released(
                 candidates = (
                     m.request_candidates(sid, rid, holder)
                     if kind == "request"
-                    else m.oldest_candidates(sid)
+                    else m.server_candidates(sid, holder)
                 )
                 if done != bool(candidates):
                     continue

@@ -104,3 +104,25 @@ def test_removing_a_replica_ends_its_leases(make_lb, r):
         assert lease.release() == (lease.server_id == "s1")
     lb.add_servers({"s0": "a"})  # back, with no stale leases
     assert invariants.check(r, lb.name) == {"s0": 0, "s1": 0}
+
+
+def test_a_release_without_request_id_ends_the_processs_own_lease(make_lb, r):
+    a = make_lb({"s0": "x"})
+    b = make_lb(name=a.name)
+    a.acquire_server("a1")  # the replica's oldest lease: another process's
+    b.acquire_server("b1")
+    assert b.release_server("s0")
+    assert a.request_owner("a1") == "s0" and b.request_owner("b1") is None
+    assert a.release_server("s0", "a1")
+    assert invariants.check(r, a.name) == {"s0": 0}
+
+
+def test_a_release_without_request_id_by_a_process_holding_none_ends_the_oldest(make_lb, r):
+    a = make_lb({"s0": "x"})
+    reader = make_lb(name=a.name)  # holds nothing on s0 (verl's release by replica)
+    a.acquire_server("a1")
+    a.acquire_server("a2")
+    assert reader.release_server("s0")
+    # One of a's two ended (the oldest: both may carry the same millisecond).
+    assert [a.request_owner("a1"), a.request_owner("a2")].count("s0") == 1
+    assert invariants.check(r, a.name) == {"s0": 1}
