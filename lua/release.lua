@@ -11,9 +11,9 @@
 --          copy reports the first one's result and never ends another lease.
 -- Which    With a token, that lease (the token decides the replica). With a request id, the
 --          oldest lease of that request on that replica; with neither, the oldest lease on
---          that replica. "?token" with a request id is a hint: the releasing process's own
---          lease of that request, ended if it is still there (no index lookup), else the
---          request's oldest lease on that replica. The client learns the token it ended.
+--          that replica. "?token" is a hint: the releasing process's own lease (of that
+--          request, with a request id), ended if it is still there (no index lookup), else the
+--          request's (the replica's) oldest lease there. The client learns the token it ended.
 -- Health   "!" first: the request failed, which counts toward ejecting its replica
 --          (lib/health.lua), once per lease; "+" first: it succeeded with ejection on, which
 --          ends the replica's failure streak.
@@ -32,8 +32,9 @@ local function release(id, req, token, op)
     if hinted then token = string.sub(token, 2) end
     rec = redis.call('HGET', P .. 'leases', token)
     -- A hint names a lease of that request on that replica (its token may since have been
-    -- granted again elsewhere, by a retry after the lease ended).
-    local field = hinted and rec and id .. SEP .. req .. SEP
+    -- granted again elsewhere, by a retry after the lease ended); without a request id, a
+    -- lease on that replica.
+    local field = hinted and rec and (req ~= '' and id .. SEP .. req .. SEP or id .. SEP)
     if field and string.sub(rec, 1, #field) ~= field then rec = nil end
     if not rec then
       -- Not a lease (any more): ended by an earlier copy of this call, or by another.

@@ -32,6 +32,8 @@ REAP_CHUNK = 8
 RECLAIM_CALLS = 16
 # Leases a closing balancer ends per call (it calls again while some are left).
 RETIRE_CHUNK = 256
+# Lease entries heal.lua examines per call (a few replicas, once per lease_ttl per process).
+HEAL_BUDGET = 512
 # ... and waits out a probation after a pause of Redis (a holder unheard during it may be
 # dead), plus this margin, before it reaps again.
 PROBATION_SLACK = 0.05
@@ -559,18 +561,24 @@ class BalancerCore:
         finally:
             self._answered((named,))
 
-    def _named(
-        self, server_id: str, request_id: str | None, token: str | None
-    ) -> tuple[str, str]:
+    def _named(self, server_id: str, request_id: str | None, token: str | None) -> tuple[str, str]:
         """The request id and token a release sends: its own token, else this holder's latest
-        lease of the request there as a hint ("?token"), else none; without a request id,
-        this holder's oldest lease on that replica when it has one (so a process never ends
-        another's lease while its own stays counted), else the replica's oldest. The lease
+        lease of the request there as a hint ("?token"), else none; without a request id, its
+        oldest lease on that replica as a hint (so a process never ends another's lease while
+        its own stays counted; the script falls back to the replica's oldest). The lease
         leaves the local ledger now, even if the call fails (reconcile() ends it then), and is
         in `releasing` until answered."""
         if not request_id and not token:
             # The ledger is in acquire order; a copy, as other threads may change it.
-            request_id = next((rid for sid, rid in self.latest.copy() if sid == server_id), "")
+            held, latest = self.held, self.latest
+            for key, mine in latest.copy().items():
+                if key[0] == server_id and mine in held:
+                    if latest.get(key) == mine:
+                        latest.pop(key, None)
+                    held.pop(mine, None)
+                    self.releasing.add(mine)
+                    return "", HINT + mine
+            return "", ""
         return request_id or "", self._token_named(server_id, request_id, token)
 
     def _token_named(self, server_id: str, request_id: str | None, token: str | None) -> str:
@@ -687,6 +695,13 @@ class BalancerCore:
         if expected:
             self.destroyed = False
         return Heartbeat(anew == 1 and not expected, int(reclaimed), [_str(t) for t in overdue])
+
+    def heal(self) -> Op[tuple[int, int]]:
+        """Repair a few replicas' counts, request index entries and this holder's lease set
+        that an evicting maxmemory-policy broke (lease records gone, their entries and counts
+        left): (entries dropped, counts set right)."""
+        dropped, fixed = yield Call(load("heal"), (HEAL_BUDGET, self.holder))
+        return int(dropped), int(fixed)
 
     def enqueue(self, ticket: str, wait: float) -> Op[int]:
         """Queue a waiting acquire (FIFO across processes) for at most ``wait`` seconds;

@@ -88,17 +88,119 @@ class ThreadKeeper:
             self._thread.join()
 
 
+# maxmemory-policy values under which Redis may evict any key, a balancer's counts and
+# lease records included (volatile-* evict only keys with an expiry: sticky buckets and wake
+# keys, whose loss costs locality, never a count).
+EVICTING = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
+
+
+def memory_policy(info: Any) -> str | None:
+    """The maxmemory-policy from an INFO memory reply (a Cluster client's: any node's)."""
+    if not isinstance(info, dict):
+        return None
+    policy = info.get("maxmemory_policy")
+    if policy is None:
+        for value in info.values():  # RedisCluster.info(): node -> its reply
+            if isinstance(value, dict) and "maxmemory_policy" in value:
+                policy = value["maxmemory_policy"]
+                break
+    return None if policy is None else str(policy)
+
+
+def warn_if_evicting(core: BalancerCore, policy: str | None) -> None:
+    """Say loudly, once per balancer, that an evicting policy can corrupt counts."""
+    if policy in EVICTING:
+        log.error(
+            "balancer %r: Redis runs with maxmemory-policy %s, which may evict the balancer's "
+            "lease records and counts when memory runs out (counts that no lease backs, or "
+            "leases counted nowhere). Set `CONFIG SET maxmemory-policy noeviction` (or "
+            "volatile-lru), or give the balancer a Redis of its own; keepers repair the "
+            "counts they can (heal), but a lost lease record cannot be recovered",
+            core.name,
+            policy,
+        )
+
+
+class Failures:
+    """A keeper's streak of failed beats: the first is logged in full, the rest as one line
+    each at debug level, and the recovery once, so an outage (or an out-of-memory spell)
+    does not fill the log with a traceback per beat."""
+
+    def __init__(self) -> None:
+        self.streak = 0
+
+    def failed(self, core: BalancerCore, exc: BaseException, expected: bool) -> None:
+        self.streak += 1
+        if self.streak > 1:
+            log.debug(
+                "balancer %r: heartbeat failed again (%d in a row): %s", core.name, self.streak, exc
+            )
+        elif expected:  # Redis unreachable, refusing writes, settings changed
+            log.warning(
+                "balancer %r: heartbeat failed: %s (retrying every %gs; logged once "
+                "until it succeeds)",
+                core.name,
+                exc,
+                core.heartbeat_every,
+            )
+        else:  # a keeper that stopped would let this process's leases lapse
+            log.exception(
+                "balancer %r: a heartbeat failed unexpectedly; retrying every %gs "
+                "(logged once until it succeeds)",
+                core.name,
+                core.heartbeat_every,
+            )
+
+    def succeeded(self, core: BalancerCore) -> None:
+        if self.streak:
+            log.warning(
+                "balancer %r: heartbeats reach Redis again after %d failed", core.name, self.streak
+            )
+            self.streak = 0
+
+
+def _failures(lb: Any) -> Failures:
+    failures: Failures | None = getattr(lb, "_beat_failures", None)
+    if failures is None:
+        failures = lb._beat_failures = Failures()
+    return failures
+
+
+def report_healed(core: BalancerCore, healed: tuple[int, int]) -> None:
+    dropped, fixed = healed
+    if dropped or fixed:
+        log.error(
+            "balancer %r: repaired %d count(s) and dropped %d lease entr(ies) with no lease "
+            "record: Redis lost some of the balancer's keys (an evicting maxmemory-policy, or "
+            "keys deleted by hand)",
+            core.name,
+            fixed,
+            dropped,
+        )
+
+
 def beat_sync(ref: weakref.ref[Any]) -> bool:
     """One heartbeat of a sync balancer; False when the balancer is gone."""
     lb = ref()
     if lb is None:
         return False
+    failures = _failures(lb)
     try:
+        if not getattr(lb, "_policy_checked", False):
+            lb._policy_checked = True
+            try:
+                warn_if_evicting(lb._core, memory_policy(lb._client.info("memory")))
+            except Exception:  # INFO refused (ACL) or unreachable: the check is advisory
+                log.debug("balancer %r: could not read maxmemory-policy", lb._core.name)
         report(lb._core, lb._run(lb._core.heartbeat()))
         if _reconcile_due(lb):
             report_reconciled(lb._core, lb._run(lb._core.reconcile()))
+            report_healed(lb._core, lb._run(lb._core.heal()))
+        failures.succeeded(lb._core)
     except RedisRouterError as exc:  # Redis unreachable, settings changed: try next period
-        log.warning("balancer %r: heartbeat failed: %s", lb._core.name, exc)
+        failures.failed(lb._core, exc, True)
+    except Exception as exc:
+        failures.failed(lb._core, exc, False)
     return True
 
 
@@ -114,16 +216,25 @@ async def keep_alive_async(ref: weakref.ref[Any], period: float) -> None:
         lb = ref()
         if lb is None or lb._keeper is not me:
             return
+        failures = _failures(lb)
         try:
+            if not getattr(lb, "_policy_checked", False):
+                lb._policy_checked = True
+                try:
+                    warn_if_evicting(lb._core, memory_policy(await lb._client.info("memory")))
+                except Exception:  # INFO refused (ACL) or unreachable: the check is advisory
+                    log.debug("balancer %r: could not read maxmemory-policy", lb._core.name)
             report(lb._core, await lb._run(lb._core.heartbeat()))
             if lb._keeper is not me:
                 return
             if _reconcile_due(lb):
                 report_reconciled(lb._core, await lb._run(lb._core.reconcile()))
+                report_healed(lb._core, await lb._run(lb._core.heal()))
+            failures.succeeded(lb._core)
         except RedisRouterError as exc:  # Redis unreachable, settings changed: next period
-            log.warning("balancer %r: heartbeat failed: %s", lb._core.name, exc)
-        except Exception:  # a keeper that stopped would let this process's leases lapse
-            log.exception("balancer %r: a heartbeat failed unexpectedly; retrying", lb._core.name)
+            failures.failed(lb._core, exc, True)
+        except Exception as exc:  # a keeper that stopped would let this process's leases lapse
+            failures.failed(lb._core, exc, False)
         finally:
             del lb  # hold no reference while sleeping
 

@@ -33,6 +33,7 @@ NAMES = (
     "counts",
     "heartbeat",
     "retire",
+    "heal",
     "owned",
     "forget",
     "owner",

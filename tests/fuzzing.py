@@ -686,17 +686,19 @@ class BalancerMachine(RuleBasedStateMachine):
 
     def _release_by_server(self, p: Process, sid: str, release: Any) -> None:
         """A release by replica only ends the process's own lease there when its ledger has
-        one (as a release by that request id), else the replica's oldest."""
-        latest = p.lb._core.latest
-        rid = next((r for s, r in latest.copy() if s == sid), None)
-        if rid is None:
+        one still there, else the replica's oldest."""
+        core = p.lb._core
+        mine = next(
+            (t for (s, _), t in core.latest.copy().items() if s == sid and t in core.held), None
+        )
+        lease = self.model.leases.get(mine) if mine else None
+        if lease is None or lease.server_id != sid:
             self._release_oldest(sid, release())
             return
-        token = self.model.ended_by_request(sid, rid, latest.get((sid, rid)))
-        assert release() == (token is not None)
-        if token is not None:
-            self.model.release_token(token)
-            self.gone.append(token)
+        assert release()
+        assert self._still_leases([mine]) == []
+        self.model.release_token(mine)
+        self.gone.append(mine)
 
     def _release_oldest(self, sid: str, done: bool) -> None:
         candidates = self.model.oldest_candidates(sid)

@@ -6,6 +6,7 @@ and a process that died while Redis listened is still reclaimed."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -255,3 +256,59 @@ def test_a_restarted_worker_is_not_refused_because_of_its_dead_predecessor(priva
         if proc.poll() is None:
             proc.kill()
         admin.close()
+
+
+def _evict_the_lease_records(r: redis.Redis, name: str) -> None:
+    """Real eviction under allkeys-lru of the balancer's lease records alone: they are the
+    least recently used key (written first, then ballast, then every other key touched), and
+    memory is set just below what is used."""
+    p = invariants.prefix(name)
+    time.sleep(1.1)  # the LRU clock ticks in seconds
+    for i in range(20):
+        r.set(f"ballast:{i}", "x" * 20_000)
+    time.sleep(1.1)
+    r.touch(*[k for k in r.keys(p + "*") if k != p + "leases"])
+    used = int(r.info("memory")["used_memory"])
+    r.config_set("maxmemory-samples", "64")
+    r.config_set("maxmemory-policy", "allkeys-lru")
+    r.config_set("maxmemory", str(used - 30_000))
+    r.set("trigger", "1")  # a write: the server evicts now
+    r.config_set("maxmemory", "0")
+    assert not r.exists(p + "leases") and r.exists(p + "load"), "eviction took other keys"
+
+
+def test_an_evicting_policy_is_reported_once_and_the_counts_it_broke_heal(private, caplog):
+    r = _raw(private)
+    lb = RedisLoadBalancer(SERVERS, redis=private.url, name="faults", lease_ttl=60.0)
+    lb.acquire_many([f"x{i}" for i in range(4)])
+    _evict_the_lease_records(r, "faults")
+    assert r.zscore(invariants.prefix("faults") + "load", "s0") == 2  # counted, no lease
+    with caplog.at_level(logging.ERROR, logger="redis_router"):
+        healer = RedisLoadBalancer(redis=private.url, name="faults", lease_ttl=0.4)
+        try:
+            healer.acquire_server("h")  # its keeper: heartbeats, reconcile and heal
+            _poll(
+                lambda: _counted(r, "faults") == 1,
+                10.0,
+                "counts repaired to the one lease left",
+            )
+            healer.release_server(healer.request_owner("h") or "", "h")
+        finally:
+            healer.close()
+    assert caplog.text.count("maxmemory-policy allkeys-lru") == 1  # once per balancer
+    assert "repaired" in caplog.text
+    # The evicted leases' own process finds nothing to release, and nothing is left counted.
+    assert not lb.release_server("s0", "x0")
+    lb._run(lb._core.heal())  # its own lease set: entries of lost records leave
+    assert invariants.check(r, "faults") == {"s0": 0, "s1": 0}
+    lb.close()
+
+
+def _counted(r: redis.Redis, name: str) -> int:
+    """The sum of the replicas' in-flight counts, as the pool's sorted sets hold them."""
+    p = invariants.prefix(name)
+    return sum(
+        int(c)
+        for zs in ("load", "draining", "off")
+        for _, c in r.zrange(p + zs, 0, -1, withscores=True)
+    )
