@@ -491,7 +491,8 @@ class AsyncRedisLoadBalancer:
         failed: bool = False,
         **fields: Any,
     ) -> bool:
-        """End the request's lease on that replica (without request_id: its oldest lease);
+        """End the request's lease on that replica (without request_id: this process's own
+        lease there, else the replica's oldest);
         ``failed=True``: the request failed (see RedisLoadBalancer.release_server)."""
         sid = validation.server_id(server_id)
         rid = validation.request_id(request_id) if request_id is not None else None

@@ -400,7 +400,8 @@ class RedisLoadBalancer:
         failed: bool = False,
         **fields: Any,
     ) -> bool:
-        """End the request's lease on that replica (without request_id: its oldest lease).
+        """End the request's lease on that replica (without request_id: this process's own
+        lease there, else the replica's oldest).
         Releasing twice, or for an unknown or removed replica, is a no-op that returns False;
         a copy resent after a timeout reports the first one's result and ends nothing else.
         ``failed=True``: the request failed (passive health, see ``Lease.fail``)."""

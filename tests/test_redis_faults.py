@@ -19,6 +19,7 @@ import redis
 
 from redis_router import AsyncRedisLoadBalancer, RedisLoadBalancer
 from redis_router.local_server import LocalServer, ServerBinary
+from redis_router.scripts import load
 
 from . import invariants
 
@@ -152,22 +153,16 @@ def test_an_out_of_memory_spell_that_refuses_heartbeats_reclaims_no_live_lease(p
     ttl = 1.0
     a, b = _two_live_holders(private, ttl)
     r = _raw(private)
-    used = int(r.info("memory")["used_memory"])
     try:
-        r.config_set("maxmemory-policy", "noeviction")
-        r.config_set("maxmemory", str(used + 4 * 1024 * 1024))
-        with contextlib.suppress(redis.exceptions.ResponseError):
-            for i in range(64):  # fill it: every write, heartbeats included, is refused
-                r.set(f"ballast:{i}", "x" * (256 * 1024))
-        time.sleep(2.5 * ttl)
-        r.delete(*[f"ballast:{i}" for i in range(64)])
-        r.config_set("maxmemory", "0")
+        with out_of_memory(r):
+            with pytest.raises(redis.exceptions.ResponseError, match=r"OOM|maxmemory"):
+                r.eval(load("heartbeat").source, 1, invariants.prefix("faults"), "x", 1000)
+            time.sleep(2.5 * ttl)
         _settle(ttl)
         assert invariants.check(r, "faults") == {"s0": 1, "s1": 1}
         assert a.release_server(a.request_owner("ra") or "", "ra")
         assert b.release_server(b.request_owner("rb") or "", "rb")
     finally:
-        r.config_set("maxmemory", "0")
         a.close()
         b.close()
 
@@ -312,3 +307,76 @@ def _counted(r: redis.Redis, name: str) -> int:
         for zs in ("load", "draining", "off")
         for _, c in r.zrange(p + zs, 0, -1, withscores=True)
     )
+
+
+@pytest.mark.slow
+def test_default_settings_a_25_second_stall_keeps_the_living_and_frees_the_dead() -> None:
+    """Measured once, on the first server binary, with the default lease_ttl (20 s): a process
+    SIGKILLed just before a 25 s SIGSTOP of the server is reclaimed after the probation the
+    stall gives (half the lease ttl after Redis resumes), a live one keeps its leases."""
+    from redis_router.core import OPTION_DEFAULTS
+    from redis_router.local_server import first_server_binary
+
+    binary = first_server_binary()
+    assert binary is not None and OPTION_DEFAULTS["lease_ttl"] == 20.0
+    with LocalServer(binary) as srv, RedisLoadBalancer(SERVERS, redis=srv.url, name="d") as lb:
+        lb.acquire_server("live")
+        proc = subprocess.Popen(
+            [sys.executable, "-c", HOLD_ALL.replace('"faults"', '"d"'), srv.url, "20.0"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        finally:
+            proc.kill()
+            proc.wait()
+        assert lb.get_total_inflight() == 3
+        with stopped(srv, 25.0):
+            pass
+        resumed = time.monotonic()
+        took = _poll(lambda: lb.get_total_inflight() == 1, 40.0, "the dead process reclaimed")
+        print(f"\n25 s stall, defaults: the dead process reclaimed {took:.1f} s after the server "
+              "resumed; the live lease kept")  # fmt: skip
+        assert took >= 10.0 - 0.5  # not before its probation (lease_ttl / 2) ended
+        assert lb.request_owner("live") is not None
+        assert time.monotonic() - resumed < 40.0
+
+
+@contextlib.contextmanager
+def out_of_memory(r: redis.Redis) -> Iterator[None]:
+    """noeviction and a maxmemory below what the server uses: every write that may need
+    memory (every script that writes, heartbeats included) is refused with OOM until the
+    limit is lifted."""
+    used = int(r.info("memory")["used_memory"])
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", str(used // 2))
+    try:
+        yield
+    finally:
+        r.config_set("maxmemory", "0")
+
+
+def test_an_out_of_memory_spell_is_logged_once_and_close_does_not_raise(private, caplog):
+    ttl = 0.4
+    r = _raw(private)
+    a = RedisLoadBalancer(SERVERS, redis=private.url, name="faults", lease_ttl=ttl)
+    b = RedisLoadBalancer(redis=private.url, name="faults", lease_ttl=ttl)
+    a.acquire_server("ra")
+    b.acquire_server("rb")
+    with caplog.at_level(logging.DEBUG, logger="redis_router"), out_of_memory(r):
+        time.sleep(20 * ttl / 4)  # some 20 heartbeats refused
+        b.close()  # its leases go once their deadline passes: no exception
+    warned = [
+        x for x in caplog.records if x.levelno >= logging.WARNING and x.name == "redis_router"
+    ]
+    failed = [x for x in warned if "heartbeat failed" in x.getMessage()]
+    # Some 20 refused beats each: one line per balancer for the whole spell.
+    assert len(failed) == 2, [x.getMessage() for x in warned]
+    assert sum("failed again" in x.getMessage() for x in caplog.records) >= 10
+    _poll(lambda: any("reach Redis again" in x.getMessage() for x in caplog.records), 5.0,
+          "the recovery logged")  # fmt: skip
+    _poll(lambda: _counted(r, "faults") == 1, 10 * ttl, "b's lease reclaimed after close")
+    assert invariants.check(r, "faults") == {**dict.fromkeys(SERVERS, 0),
+                                             a.request_owner("ra") or "": 1}  # fmt: skip
+    a.close()

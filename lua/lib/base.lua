@@ -34,6 +34,7 @@
 --                             acquires (lib/leases.lua)
 --   P.."clock"          HASH  when Redis last heard a heartbeat and the probation after a
 --                             pause (liveness() below)
+--   P.."heal"           HASH  cursors of the repair pass (heal.lua)
 -- Invariants (docs/design.md): I1 ZSCORE load|draining|off id == ZCARD held:id after every script,
 -- and ZSCORE weighted id == the sum of its leases' weights; I2 every lease is in its holder's
 -- owned set, every owned token is a lease, and a holder leaves P.."holders" only once it owns
