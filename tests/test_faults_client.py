@@ -1,0 +1,146 @@
+"""Faults the client side must survive, injected for real on private servers: an unreachable
+Sentinel, an out-of-memory spell, an asyncio acquire cancelled while Redis is stalled
+(SIGSTOP), and an asyncio balancer used from a second event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from redis_router import (
+    AsyncRedisLoadBalancer,
+    RedisLoadBalancer,
+    RedisOutOfMemory,
+    RedisRouterError,
+    RedisUnavailable,
+)
+from redis_router.local_server import LocalServer, ServerBinary
+
+from . import invariants
+
+SECRET = "Zq7@Wk8:Xr9"
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 15.0) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` seconds pass (a bound, no timing)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.fixture
+def private(binary: ServerBinary) -> Iterator[LocalServer]:
+    """A server of this test's own, since the tests stop, fill or reconfigure it."""
+    srv = LocalServer(binary).start()
+    yield srv
+    with contextlib.suppress(OSError):
+        if srv.pid is not None:
+            os.kill(srv.pid, signal.SIGCONT)  # never leave it stopped
+    srv.close()
+
+
+# -- an unreachable Sentinel fails as fast as an unreachable redis:// -----------------------
+
+SENTINEL_URLS = [
+    f"redis+sentinel://:{SECRET}@127.0.0.1:1/mymaster",
+    f"redis+sentinel://127.0.0.1:1,127.0.0.1:2/mymaster/0?sentinel_password={SECRET}",
+]
+
+
+@pytest.mark.parametrize("url", SENTINEL_URLS)
+def test_unreachable_sentinel_fails_fast_and_clearly(url):
+    started = time.monotonic()
+    with pytest.raises(RedisUnavailable) as info:
+        RedisLoadBalancer(redis=url, name="sen")
+    assert time.monotonic() - started < 5  # a bound: redis-py's own retries took ~15 s
+    message = str(info.value)
+    assert "cannot reach Redis at redis+sentinel://" in message and "mymaster" in message
+    assert SECRET not in message and "Wk8" not in message
+
+    async def first_call() -> None:
+        lb = AsyncRedisLoadBalancer(redis=url, name="sen")
+        try:
+            await lb.acquire_server("r1")
+        finally:
+            await lb.close()
+
+    started = time.monotonic()
+    with pytest.raises(RedisUnavailable) as info:
+        asyncio.run(first_call())
+    assert time.monotonic() - started < 5
+    assert "Wk8" not in str(info.value)
+
+
+# -- an out-of-memory spell: the library's error, saying what to do -------------------------
+
+
+@contextlib.contextmanager
+def out_of_memory(srv: LocalServer) -> Iterator[None]:
+    """A noeviction server over its maxmemory: a big key, then maxmemory below what it uses.
+    Writes are refused until the spell ends (maxmemory lifted)."""
+    with srv.client() as c:
+        c.set("ballast", b"x" * 4_000_000)
+        c.config_set("maxmemory-policy", "noeviction")
+        c.config_set("maxmemory", "2mb")
+        try:
+            yield
+        finally:
+            c.config_set("maxmemory", "0")
+            c.delete("ballast")
+
+
+def test_out_of_memory_acquires_raise_redis_out_of_memory(private):
+    lb = RedisLoadBalancer({"s0": None, "s1": None}, redis=private.url, name="oom")
+    held = lb.acquire("held")
+    try:
+        with out_of_memory(private):
+            for attempt in (
+                lambda: lb.acquire_server("r1"),
+                lambda: lb.acquire("r2"),
+                lambda: lb.acquire_many(["r3", "r4"]),
+            ):
+                with pytest.raises(RedisOutOfMemory) as info:
+                    attempt()
+                err = info.value
+                assert isinstance(err, RedisUnavailable) and isinstance(err, RedisRouterError)
+                assert "out of memory" in str(err) and "maxmemory" in str(err)
+                assert "noeviction" in str(err)
+                assert "OOM" in err.reply or "maxmemory" in err.reply
+            assert lb.get_total_inflight() == 1  # nothing was counted
+            assert held.release()  # a release is no write Redis refuses
+        assert lb.acquire_server("r1")[0] in ("s0", "s1")  # the spell is over: works again
+        with private.client(decode_responses=True) as c:
+            invariants.check(c, "oom")
+    finally:
+        lb.close()
+
+
+def test_out_of_memory_async_acquire_raises_redis_out_of_memory(private):
+    async def scenario() -> None:
+        lb = AsyncRedisLoadBalancer({"s0": None}, redis=private.url, name="oom", coalesce=False)
+        coalesced = AsyncRedisLoadBalancer(redis=private.url, name="oom")
+        try:
+            await lb.get_status()
+            with out_of_memory(private):
+                for attempt in (
+                    lb.acquire_server("r1"),
+                    coalesced.acquire_server("r2"),
+                    coalesced.acquire_many(["r3", "r4"]),
+                ):
+                    with pytest.raises(RedisOutOfMemory, match="out of memory"):
+                        await attempt
+            assert await lb.get_total_inflight() == 0
+        finally:
+            await lb.close()
+            await coalesced.close()
+
+    asyncio.run(scenario())
