@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 import random
 import time
 import weakref
@@ -46,6 +48,8 @@ from .errors import (
     ReplicaEjected,
 )
 from .policy import LeastLoaded, RoutingPolicy
+
+log = logging.getLogger("redis_router")
 
 # Seconds close() waits for the cancelled keeper task to finish.
 KEEPER_STOP_TIMEOUT = 5.0
@@ -244,8 +248,37 @@ class AsyncRedisLoadBalancer:
         args: Sequence[tuple[str, ...]] | None = None,
         ticket: str | None = None,
     ) -> list[Grant]:
+        """Every acquire script call goes through here. It runs in a task of its own, shielded:
+        cancelling the caller (``asyncio.wait_for`` while Redis is slow) leaves the call to
+        finish on its connection, and the leases it granted are then released, never left
+        counted. (Cancelled mid-reply, redis-py would drop the connection while the script
+        may still run, and a release sent meanwhile on another connection could arrive first.)"""
+        tokens = tokens or new_tokens(len(request_ids))
         op = self._core.acquire(request_ids, tokens, fields, args=args, ticket=ticket)
-        return await self._run(op)
+        call = asyncio.ensure_future(self._run(op))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(functools.partial(self._abandoned, request_ids, tokens))
+            raise
+
+    def _abandoned(
+        self, request_ids: list[str], tokens: list[str], call: asyncio.Future[list[Grant]]
+    ) -> None:
+        """An acquire whose caller was cancelled has finished: release what it granted. If it
+        failed on the way (the connection dropped), the script may have run all the same:
+        release by token, which is a no-op for a lease that was never granted."""
+        if call.cancelled():
+            return
+        error = call.exception()
+        if error is None:
+            for grant in call.result():
+                _release_in_background(
+                    self._release_one(grant.server_id, grant.request_id, grant.token)
+                )
+        elif isinstance(error, RedisUnavailable):
+            for rid, token in zip(request_ids, tokens, strict=True):
+                _release_in_background(self._release_one("", rid, token))
 
     async def _admitted(
         self,
@@ -572,7 +605,16 @@ def _release_in_background(release: Awaitable[bool]) -> None:
     """Run a release nobody awaits, keeping a reference until it is done."""
     pending = asyncio.ensure_future(release)
     _pending_releases.add(pending)
-    pending.add_done_callback(_pending_releases.discard)
+    pending.add_done_callback(_release_done)
+
+
+def _release_done(release: asyncio.Future[bool]) -> None:
+    """A background release ended. One that failed (Redis unreachable) is left to the
+    keeper's reconciliation, which ends the lease once Redis is back; its error is taken
+    here so that asyncio does not report it as never retrieved."""
+    _pending_releases.discard(release)
+    if not release.cancelled() and release.exception() is not None:
+        log.debug("a background release failed: %s", release.exception())
 
 
 async def _renew_age(lease: AsyncLease, stop: asyncio.Event, every: float) -> None:

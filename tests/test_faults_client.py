@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -46,6 +47,14 @@ def private(binary: ServerBinary) -> Iterator[LocalServer]:
         if srv.pid is not None:
             os.kill(srv.pid, signal.SIGCONT)  # never leave it stopped
     srv.close()
+
+
+@pytest.fixture
+def r_private(private: LocalServer) -> Iterator[Any]:
+    """A raw client on the private server, to look at keys the way redis-cli would."""
+    c = private.client(decode_responses=True)
+    yield c
+    c.close()
 
 
 # -- an unreachable Sentinel fails as fast as an unreachable redis:// -----------------------
@@ -142,5 +151,76 @@ def test_out_of_memory_async_acquire_raises_redis_out_of_memory(private):
         finally:
             await lb.close()
             await coalesced.close()
+
+    asyncio.run(scenario())
+
+
+# -- a cancelled asyncio acquire leaves nothing counted -------------------------------------
+
+ACQUIRES: dict[str, Callable[[AsyncRedisLoadBalancer], Any]] = {
+    "acquire_server": lambda lb: lb.acquire_server("r1"),
+    "acquire": lambda lb: lb.acquire("r1"),
+    "acquire_many": lambda lb: lb.acquire_many(["r1", "r2", "r3"]),
+}
+
+
+@pytest.mark.parametrize(
+    "how, coalesce",
+    [
+        ("acquire_server", False),
+        ("acquire", False),
+        ("acquire_many", False),
+        ("acquire_many", True),
+        ("acquire_server", True),  # the coalescer got this right already: kept so
+        ("acquire", True),
+    ],
+)
+def test_acquire_cancelled_while_redis_is_stalled_leaves_no_lease(
+    private, r_private, how, coalesce
+):
+    """The server is stopped (SIGSTOP) while the acquire is on its way; the caller gives up
+    after 0.2 s; the server resumes and runs the script. The lease it granted must end at
+    once, not after the keeper's reconciliation (~60 s)."""
+    name = f"cx-{how}-{coalesce}"
+    key = invariants.prefix(name)
+    n = 3 if how == "acquire_many" else 1
+
+    async def scenario() -> None:
+        lb = AsyncRedisLoadBalancer(
+            {"s0": None, "s1": None}, redis=private.url, name=name, coalesce=coalesce
+        )
+        try:
+            await lb.get_status()  # connected and set up: the acquire reuses that connection
+            assert private.pid is not None
+            os.kill(private.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(ACQUIRES[how](lb), 0.2)
+                await asyncio.sleep(0.3)  # a stall of about half a second, well within timeouts
+            finally:
+                os.kill(private.pid, signal.SIGCONT)
+
+            async def poll(predicate: Callable[[], bool], timeout: float = 15.0) -> bool:
+                deadline = time.monotonic() + timeout
+                while time.monotonic() < deadline:
+                    if predicate():
+                        return True
+                    await asyncio.sleep(0.05)  # the loop runs the release meanwhile
+                return predicate()
+
+            def granted() -> int:
+                return sum(int(v) for v in r_private.hvals(key + "acquires"))
+
+            # The script did run after the resume (else the test would prove nothing) ...
+            assert await poll(lambda: granted() == n), "the cancelled acquire never ran"
+            # ... and what it granted ended, well before the 60 s reconciliation.
+            assert await poll(lambda: r_private.hlen(key + "leases") == 0)
+            assert await lb.get_total_inflight() == 0
+            invariants.check(r_private, name)
+            # The balancer still works, and counts what it grants.
+            await lb.acquire_server("r9")
+            assert await lb.get_total_inflight() == 1
+        finally:
+            await lb.close()
 
     asyncio.run(scenario())
