@@ -24,6 +24,8 @@ from .coalesce import Coalescer
 from .connection import (
     TRANSIENT_BACKOFF,
     client_for,
+    connect,
+    resolve_url,
     send_failure,
     sentinel_check_due,
     stale_pools,
@@ -167,14 +169,58 @@ class AsyncRedisLoadBalancer:
         self._keeper: asyncio.Future[None] | None = None
         self._initial = validation.servers_mapping(servers) if servers is not None else {}
         self._client, self.url, self._owns_client = client_for(redis, asyncio=True)
+        # What the client was made from, to make it again on another event loop (below).
+        self._given_url = resolve_url(redis) if self._owns_client else None
         self._setup: asyncio.Future[None] | None = None
+        self._coalesce = coalesce
         self._acquires: Coalescer[_AcquireItem, Grant] | None = None
         self._releases: Coalescer[_ReleaseItem, bool] | None = None
-        if coalesce:
-            self._acquires = Coalescer(self._acquire_batch, self._release_orphan)
-            self._releases = Coalescer(self._release_batch)
+        self._make_coalescers()
+        # The event loop the client's connections, the keeper and the coalescers belong to.
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._core.on_acquire = self._keep_alive
         keeper.track(self)
+
+    def _make_coalescers(self) -> None:
+        if self._coalesce:
+            self._acquires = Coalescer(self._acquire_batch, self._release_orphan)
+            self._releases = Coalescer(self._release_batch)
+
+    # -- the event loop --------------------------------------------------------------------
+
+    def _bind(self) -> None:
+        """Serve the running event loop. Connections, the keeper task and the coalescers'
+        futures belong to one loop; a balancer used again from a new loop (a second
+        ``asyncio.run()``) makes its client again from its URL and restarts its keeper there,
+        so the leases taken on the old loop stay alive and releasable. A client passed in
+        cannot be made again: once its loop is closed, every call refuses, before anything
+        is sent (its connections died with that loop)."""
+        loop = asyncio.get_running_loop()
+        if loop is self._loop:
+            return
+        old, self._loop = self._loop, loop
+        if old is None:
+            return
+        if self._given_url is None:
+            if old.is_closed():
+                self._loop = old
+                raise RedisRouterError(
+                    f"balancer {self.name!r}: the redis client passed to this "
+                    "AsyncRedisLoadBalancer served an event loop that is now closed, and its "
+                    "connections closed with it; pass a URL instead (the balancer then makes "
+                    "its own client on each event loop), or make a new balancer with a "
+                    "client made on this loop"
+                )
+        else:
+            # The old client's connections belong to the old loop; they cannot even be closed
+            # from here and go with the old client.
+            self._client = connect(self._given_url, asyncio=True)
+        self._make_coalescers()
+        if self._setup is not None and not self._setup.done():
+            self._setup = None  # it was left behind on the old loop: set up again
+        self._keeper = None  # the old loop's keeper stops when it sees it is not wanted
+        if self._core.held:
+            self._keep_alive()  # leases taken on the old loop are kept alive from this one
 
     # -- driving the core ------------------------------------------------------------------
 
@@ -217,11 +263,13 @@ class AsyncRedisLoadBalancer:
             op.close()  # a failed call's operation still runs its cleanup, now
 
     async def _run(self, op: Op[T]) -> T:
+        self._bind()
         if not _succeeded(self._setup):
             await self._ensure_setup()
         return await self._drive(op)
 
     async def _ensure_setup(self) -> None:
+        self._bind()
         if self._setup is None or (self._setup.done() and not _succeeded(self._setup)):
             self._setup = asyncio.ensure_future(self._drive(self._core.setup(self._initial)))
         await asyncio.shield(self._setup)
@@ -353,6 +401,7 @@ class AsyncRedisLoadBalancer:
     async def _acquire_one(
         self, request_id: str, token: str | None, fields: Mapping[str, Any]
     ) -> Grant:
+        self._bind()
         if self._acquires is None:
             tokens = [token] if token is not None else None
             return (await self._acquire([request_id], tokens, [fields] if fields else None))[0]
@@ -393,6 +442,7 @@ class AsyncRedisLoadBalancer:
         token: str | None = None,
         failed: bool = False,
     ) -> bool:
+        self._bind()
         if self._releases is None:
             return await self._run(self._core.release(server_id, request_id, token, failed))
         return await self._releases.submit((server_id, request_id, token, failed))
@@ -561,6 +611,11 @@ class AsyncRedisLoadBalancer:
     async def close(self) -> None:
         """Stop the heartbeats, let unreleased leases be reclaimed at once, close the pool if
         this balancer made it."""
+        try:
+            self._bind()
+        except RedisRouterError:  # a client passed in, whose loop closed: nothing can be sent
+            self._keeper = None
+            return
         stopping, self._keeper = self._keeper, None
         if stopping is not None:
             stopping.cancel()

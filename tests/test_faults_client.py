@@ -224,3 +224,74 @@ def test_acquire_cancelled_while_redis_is_stalled_leaves_no_lease(
             await lb.close()
 
     asyncio.run(scenario())
+
+
+# -- one asyncio balancer, used from one asyncio.run() after another -------------------------
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_balancer_works_from_a_second_event_loop_and_loses_nothing(private, r_private, coalesce):
+    name = f"loops-{coalesce}"
+    key = invariants.prefix(name)
+    lb = AsyncRedisLoadBalancer(
+        {"s0": None, "s1": None}, redis=private.url, name=name, lease_ttl=1.0, coalesce=coalesce
+    )
+    kept: list[Any] = []
+
+    async def first() -> None:
+        kept.append(await lb.acquire("kept"))  # held across the loops
+        sid, _ = await lb.acquire_server("once")
+        assert await lb.release_server(sid, "once")
+        assert await lb.get_total_inflight() == 1
+
+    def deadline() -> float:
+        return float(r_private.zscore(key + "holders", lb._core.holder) or 0)
+
+    async def second() -> None:
+        assert await lb.get_total_inflight() == 1  # a read works on the new loop
+        # The keeper beats again from this loop: the holder's deadline moves on.
+        before = deadline()
+        stop = time.monotonic() + 15
+        while deadline() <= before and time.monotonic() < stop:
+            await asyncio.sleep(0.05)
+        assert deadline() > before, "no heartbeat from the second loop"
+        many = await lb.acquire_many(["m1", "m2"])
+        assert await lb.get_total_inflight() == 3
+        for (sid, _), rid in zip(many, ["m1", "m2"], strict=True):
+            assert await lb.release_server(sid, rid)
+        assert await kept[0].release()  # the lease of the first loop is releasable here
+        assert await lb.get_total_inflight() == 0
+
+    try:
+        asyncio.run(first())
+        asyncio.run(second())
+        assert r_private.hlen(key + "leases") == 0
+        invariants.check(r_private, name)
+    finally:
+        asyncio.run(lb.close())
+
+
+def test_a_client_passed_in_refuses_clearly_once_its_loop_closed(private, r_private):
+    import redis.asyncio
+
+    client = redis.asyncio.Redis.from_url(private.url, decode_responses=True)
+    lb = AsyncRedisLoadBalancer({"s0": None}, redis=client, name="given")
+    key = invariants.prefix("given")
+
+    async def first() -> None:
+        sid, _ = await lb.acquire_server("a")
+        assert await lb.release_server(sid, "a")
+
+    async def second() -> None:
+        with pytest.raises(RedisRouterError, match="event loop that is now closed"):
+            await lb.acquire_server("b")
+        with pytest.raises(RedisRouterError, match="pass a URL"):
+            await lb.acquire_many(["c", "d"])
+        await lb.close()  # refuses nothing: there is nothing it could send
+
+    asyncio.run(first())
+    acquired = sum(int(v) for v in r_private.hvals(key + "acquires"))
+    asyncio.run(second())
+    assert sum(int(v) for v in r_private.hvals(key + "acquires")) == acquired  # nothing sent
+    assert r_private.hlen(key + "leases") == 0
+    invariants.check(r_private, "given")
