@@ -111,6 +111,13 @@ class AsyncRedisLoadBalancer:
     together in the next round trip, with the result of making them one after another
     (:mod:`redis_router.coalesce`); a lone call waits one loop turn. False sends each by itself.
     Coalesced calls go through the policy like every other acquire.
+
+    A caller cancelled during an acquire (``asyncio.wait_for``) gets its CancelledError at
+    once; the script call finishes on its connection and what it granted is released. Built
+    from a URL, the balancer follows the running event loop: used from a second
+    ``asyncio.run()``, it makes its client again there and its keeper beats from there, so
+    leases of the first loop stay releasable (a client passed in cannot be remade: once its
+    loop is closed, calls raise RedisRouterError).
     """
 
     default_policy: type[RoutingPolicy] = LeastLoaded

@@ -3,6 +3,9 @@
 Schemes, as the ``limits`` library spells them: ``redis://``, ``rediss://``, ``unix://``,
 ``redis+sentinel://[:password@]host:port[,host:port...]/service_name[/db]`` and
 ``redis+cluster://[:password@]host:port[,host:port...]``.
+
+A URL is shown only through :func:`redact`, which splits it as redis-py does (urllib), so no
+password, query credential or part of one reaches an error, a log line or status output.
 """
 
 from __future__ import annotations
