@@ -29,6 +29,7 @@ from .connection import (
     send_failure,
     sentinel_check_due,
     stale_pools,
+    unavailable_message,
 )
 from .core import (
     EJECTION_SLACK,
@@ -278,8 +279,20 @@ class AsyncRedisLoadBalancer:
     async def _ensure_setup(self) -> None:
         self._bind()
         if self._setup is None or (self._setup.done() and not _succeeded(self._setup)):
-            self._setup = asyncio.ensure_future(self._drive(self._core.setup(self._initial)))
+            self._setup = asyncio.ensure_future(self._set_up())
         await asyncio.shield(self._setup)
+
+    async def _set_up(self) -> None:
+        """Check the pinned settings (and register the initial servers). An asyncio Cluster
+        client reaches its nodes only now, and says it cannot with a RedisClusterException:
+        an outage like any other, so RedisUnavailable (the sync client fails in connect())."""
+        initialize = getattr(self._client, "initialize", None)
+        if initialize is not None and hasattr(self._client, "get_nodes"):
+            try:
+                await initialize()
+            except (rx.RedisClusterException, rx.ConnectionError, rx.TimeoutError) as exc:
+                raise RedisUnavailable(unavailable_message(self.url, exc)) from None
+        await self._drive(self._core.setup(self._initial))
 
     def _keep_alive(self) -> None:
         """Start (or restart, on another event loop) the heartbeat task: from the first
