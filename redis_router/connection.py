@@ -69,8 +69,10 @@ def redact(url: str) -> str:
     a fragment is hidden. A raw ``/``, ``?`` or ``#`` in a password ends the netloc early
     (redis-py misreads such a URL too): when an ``@`` is left after the netloc, everything up
     to the last one is hidden. A URL that does not split at all is shown as its scheme."""
-    scheme = url.partition("://")[0] if "://" in url else ""
-    head = f"{scheme}://" if scheme else ""
+    if "://" not in url:  # no scheme (a malformed URL): split it as if it had one
+        return redact("redis://" + url).removeprefix("redis://")
+    scheme = url.partition("://")[0]
+    head = f"{scheme}://"
     try:
         parts = urlsplit(url)
     except ValueError:
