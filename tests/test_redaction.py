@@ -195,3 +195,18 @@ def test_working_balancer_cli_and_keeper_never_show_the_password(secured, form, 
         assert_hidden(down.stdout + down.stderr)
     finally:
         lb.close()
+
+
+@pytest.mark.parametrize(
+    "form",
+    ["redis-user", "rediss-user", "unix", "sentinel-both", "cluster", "query-password-later"],
+)
+@pytest.mark.parametrize("how", ["raw", "encoded"])
+def test_cli_error_for_an_unreachable_url_hides_the_password(form, how):
+    url = FORMS[form].format(p=ENCODINGS[how])
+    proc = run_cli("status", "--json", redis=url)
+    assert proc.returncode == 1 and proc.stdout == ""
+    line = proc.stderr.strip()
+    assert line.startswith("redis-router: error: ") and "\n" not in line, proc.stderr
+    assert "***" in line
+    assert_hidden(line)
