@@ -145,12 +145,15 @@ def resolve_config_path(path: str | Path) -> Path:
         raise RouterConfigError(
             f"router config {text!r}: {package!r} is a module, not a package; give a file path"
         )
-    target = importlib.resources.files(module).joinpath(*parts)
-    if not isinstance(target, Path):
+    found = importlib.resources.files(module).joinpath(*parts)
+    if not isinstance(found, Path):
         raise RouterConfigError(
             f"router config {text!r}: {package!r} is not installed as files (a zip?); extract "
             "the config and give its file path"
         )
+    # A package whose __init__ extended its search path has files in further folders.
+    candidates = [found, *(Path(d).joinpath(*parts) for d in locations)]
+    target = next((p for p in candidates if p.is_file()), found)
     # A symlink inside the package may still point out of it: judge the file it resolves to.
     # (The package's own folder may be a symlink, as redis_router/plugins is in a checkout.)
     resolved = target.resolve()

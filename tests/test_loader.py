@@ -292,3 +292,21 @@ def test_pkg_path_inside_the_package_still_resolves(outside_package):
     from redis_router.loader import resolve_config_path
 
     assert resolve_config_path("pkg://rrpkgx/inside.yaml") == outside_package / "inside.yaml"
+
+
+def test_pkg_path_finds_a_file_in_a_folder_the_package_added_to_its_path(tmp_path, monkeypatch):
+    """A package's __init__ may extend its search path: its files there are its own."""
+    from redis_router.loader import resolve_config_path
+
+    pkg, extra = tmp_path / "rrpkgy", tmp_path / "extra"
+    pkg.mkdir()
+    extra.mkdir()
+    (pkg / "__init__.py").write_text(f"__path__.append({str(extra)!r})\n")
+    (extra / "more.yaml").write_text("router_class: default\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("rrpkgy", None)
+    try:
+        assert resolve_config_path("pkg://rrpkgy/more.yaml") == extra / "more.yaml"
+        fails(SERVERS, "pkg://rrpkgy/../rrpkgy/__init__.py", "'..'")
+    finally:
+        sys.modules.pop("rrpkgy", None)
