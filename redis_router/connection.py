@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 from redis import exceptions as rx
+from redis.asyncio.sentinel import MasterNotFoundError as AsyncMasterNotFoundError
 from redis.sentinel import MasterNotFoundError
 
 from .errors import RedisOutOfMemory, RedisUnavailable
@@ -219,7 +220,7 @@ def out_of_memory_error(url: str, exc: Exception) -> RedisOutOfMemory:
 def unavailable_message(url: str, exc: Exception) -> str:
     """The RedisUnavailable message: what failed and what to do, with the URL's password hidden."""
     detail = hide_userinfo(str(exc))
-    if isinstance(exc, MasterNotFoundError):  # "... : <a page of client reprs> - why"
+    if isinstance(exc, (MasterNotFoundError, AsyncMasterNotFoundError)):  # "...: <reprs> - why"
         head, _, more = detail.partition(" : ")
         why = more.rpartition(" - ")[2] if " - " in more else ""
         detail = f"{head} (no Sentinel reachable knows it{': ' + why if why else ''})"
