@@ -39,7 +39,13 @@ def weight(prompt_ids: Any) -> int:
         raise TypeError(
             f"prompt_ids must be a sequence of token ids, got {type(prompt_ids).__name__}"
         )
-    n = len(prompt_ids)
+    try:
+        n = len(prompt_ids)
+    except (TypeError, OverflowError):  # a __len__ that is no int, or beyond sys.maxsize
+        raise TypeError(
+            f"prompt_ids must be a sequence of token ids, got {type(prompt_ids).__name__} "
+            "whose length is not a valid int"
+        ) from None
     if n > MAX_WEIGHT:
         raise ValueError(f"prompt_ids holds {n} tokens; at most {MAX_WEIGHT}")
     return n

@@ -108,6 +108,10 @@ __all__ = [
     "sample_depths",
 ]
 
+# Bounds of the options (see PrefixSettings.__post_init__).
+MAX_BLOCK_SIZE = 1 << 20
+MAX_INDEX_BLOCKS = 1 << 40
+MAX_THRESHOLD = 1e12
 HASH_CHARS = 16  # hex characters per block hash (64 bits), as prefix_cache_index.lua's HW
 MAX_BLOCKS_PER_CALL = 1024  # per record_blocks/evict_blocks call, as prefix_cache_record.lua says
 _PERSON = b"rr-prefix"
@@ -130,16 +134,18 @@ class PrefixSettings:
     kv_event_lag: float = 2.0
 
     def __post_init__(self) -> None:
-        _int(self.block_size, "block_size", 1)
-        _int(self.max_index_blocks, "max_index_blocks", 1)
+        # Upper bounds keep every value exact in Lua's doubles and within what it is packed in
+        # (block_size seeds the hash as 8 bytes), so no option fails later with OverflowError.
+        _int(self.block_size, "block_size", 1, MAX_BLOCK_SIZE)
+        _int(self.max_index_blocks, "max_index_blocks", 1, MAX_INDEX_BLOCKS)
         _int(self.max_prompt_blocks, "max_prompt_blocks", 1, 1 << 20)
-        _number(self.balance_abs_threshold, "balance_abs_threshold", 0)
-        _number(self.balance_rel_threshold, "balance_rel_threshold", 1)
+        _number(self.balance_abs_threshold, "balance_abs_threshold", 0, MAX_THRESHOLD)
+        _number(self.balance_rel_threshold, "balance_rel_threshold", 1, MAX_THRESHOLD)
         _number(self.min_match, "min_match", 0, 1)
         validation.seconds(self.index_ttl, "index_ttl")
         if self.kv_block_size is not None:
-            _int(self.kv_block_size, "kv_block_size", 1)
-        _number(self.kv_event_lag, "kv_event_lag", 0)
+            _int(self.kv_block_size, "kv_block_size", 1, MAX_BLOCK_SIZE)
+        _number(self.kv_event_lag, "kv_event_lag", 0, validation.MAX_TTL)
         if not isinstance(self.record_on_acquire, bool):
             raise TypeError(
                 f"record_on_acquire must be a bool, got {type(self.record_on_acquire).__name__}"
@@ -231,7 +237,7 @@ def _prefix_hex(
             ids = array("I", prompt_ids)
         seed = b"I"
     except OverflowError:  # a negative id or one >= 2**32: its own namespace of hashes
-        ids, seed = array("q", prompt_ids), b"q"
+        ids, seed = _wide_ids(prompt_ids), b"q"
     except (TypeError, ValueError):
         raise TypeError(
             f"prompt_ids must be a sequence of token ids (ints), got {type(prompt_ids).__name__}"
@@ -251,6 +257,22 @@ def _prefix_hex(
         out.append(h.digest())
         last = d
     return depths, b"".join(out).hex()
+
+
+def _wide_ids(prompt_ids: Sequence[int]) -> array[int]:
+    """Token ids outside [0, 2**32) as 64-bit ints; an id no 64-bit int holds (or one that is
+    no int) is refused naming ``prompt_ids``, before anything is sent."""
+    try:
+        return array("q", prompt_ids)
+    except OverflowError:
+        raise ValueError(
+            f"prompt_ids must hold token ids from {-(2**63)} to {2**63 - 1} (a tokenizer's ids "
+            "are far smaller); got one outside that range"
+        ) from None
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"prompt_ids must be a sequence of token ids (ints), got {type(prompt_ids).__name__}"
+        ) from None
 
 
 def chain_hashes(

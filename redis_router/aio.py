@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -23,9 +24,12 @@ from .coalesce import Coalescer
 from .connection import (
     TRANSIENT_BACKOFF,
     client_for,
+    connect,
+    resolve_url,
     send_failure,
     sentinel_check_due,
     stale_pools,
+    unavailable_message,
 )
 from .core import (
     EJECTION_SLACK,
@@ -50,9 +54,9 @@ from .errors import (
 )
 from .policy import LeastLoaded, RoutingPolicy
 
-# Seconds close() waits for the cancelled keeper task to finish.
 log = logging.getLogger("redis_router")
 
+# Seconds close() waits for the cancelled keeper task to finish.
 KEEPER_STOP_TIMEOUT = 5.0
 
 # A coalesced acquire: request id, the token of an earlier attempt (or None), the policy's
@@ -110,6 +114,13 @@ class AsyncRedisLoadBalancer:
     together in the next round trip, with the result of making them one after another
     (:mod:`redis_router.coalesce`); a lone call waits one loop turn. False sends each by itself.
     Coalesced calls go through the policy like every other acquire.
+
+    A caller cancelled during an acquire (``asyncio.wait_for``) gets its CancelledError at
+    once; the script call finishes on its connection and what it granted is released. Built
+    from a URL, the balancer follows the running event loop: used from a second
+    ``asyncio.run()``, it makes its client again there and its keeper beats from there, so
+    leases of the first loop stay releasable (a client passed in cannot be remade: once its
+    loop is closed, calls raise RedisRouterError).
     """
 
     default_policy: type[RoutingPolicy] = LeastLoaded
@@ -168,14 +179,58 @@ class AsyncRedisLoadBalancer:
         self._keeper: asyncio.Future[None] | None = None
         self._initial = validation.servers_mapping(servers) if servers is not None else {}
         self._client, self.url, self._owns_client = client_for(redis, asyncio=True)
+        # What the client was made from, to make it again on another event loop (below).
+        self._given_url = resolve_url(redis) if self._owns_client else None
         self._setup: asyncio.Future[None] | None = None
+        self._coalesce = coalesce
         self._acquires: Coalescer[_AcquireItem, Grant] | None = None
         self._releases: Coalescer[_ReleaseItem, bool] | None = None
-        if coalesce:
-            self._acquires = Coalescer(self._acquire_batch, self._release_orphan)
-            self._releases = Coalescer(self._release_batch)
+        self._make_coalescers()
+        # The event loop the client's connections, the keeper and the coalescers belong to.
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._core.on_acquire = self._keep_alive
         keeper.track(self)
+
+    def _make_coalescers(self) -> None:
+        if self._coalesce:
+            self._acquires = Coalescer(self._acquire_batch, self._release_orphan)
+            self._releases = Coalescer(self._release_batch)
+
+    # -- the event loop --------------------------------------------------------------------
+
+    def _bind(self) -> None:
+        """Serve the running event loop. Connections, the keeper task and the coalescers'
+        futures belong to one loop; a balancer used again from a new loop (a second
+        ``asyncio.run()``) makes its client again from its URL and restarts its keeper there,
+        so the leases taken on the old loop stay alive and releasable. A client passed in
+        cannot be made again: once its loop is closed, every call refuses, before anything
+        is sent (its connections died with that loop)."""
+        loop = asyncio.get_running_loop()
+        if loop is self._loop:
+            return
+        old, self._loop = self._loop, loop
+        if old is None:
+            return
+        if self._given_url is None:
+            if old.is_closed():
+                self._loop = old
+                raise RedisRouterError(
+                    f"balancer {self.name!r}: the redis client passed to this "
+                    "AsyncRedisLoadBalancer served an event loop that is now closed, and its "
+                    "connections closed with it; pass a URL instead (the balancer then makes "
+                    "its own client on each event loop), or make a new balancer with a "
+                    "client made on this loop"
+                )
+        else:
+            # The old client's connections belong to the old loop; they cannot even be closed
+            # from here and go with the old client.
+            self._client = connect(self._given_url, asyncio=True)
+        self._make_coalescers()
+        if self._setup is not None and not self._setup.done():
+            self._setup = None  # it was left behind on the old loop: set up again
+        self._keeper = None  # the old loop's keeper stops when it sees it is not wanted
+        if self._core.held:
+            self._keep_alive()  # leases taken on the old loop are kept alive from this one
 
     # -- driving the core ------------------------------------------------------------------
 
@@ -218,14 +273,28 @@ class AsyncRedisLoadBalancer:
             op.close()  # a failed call's operation still runs its cleanup, now
 
     async def _run(self, op: Op[T]) -> T:
+        self._bind()
         if not _succeeded(self._setup):
             await self._ensure_setup()
         return await self._drive(op)
 
     async def _ensure_setup(self) -> None:
+        self._bind()
         if self._setup is None or (self._setup.done() and not _succeeded(self._setup)):
-            self._setup = asyncio.ensure_future(self._drive(self._core.setup(self._initial)))
+            self._setup = asyncio.ensure_future(self._set_up())
         await asyncio.shield(self._setup)
+
+    async def _set_up(self) -> None:
+        """Check the pinned settings (and register the initial servers). An asyncio Cluster
+        client reaches its nodes only now, and says it cannot with a RedisClusterException:
+        an outage like any other, so RedisUnavailable (the sync client fails in connect())."""
+        initialize = getattr(self._client, "initialize", None)
+        if initialize is not None and hasattr(self._client, "get_nodes"):
+            try:
+                await initialize()
+            except (rx.RedisClusterException, rx.ConnectionError, rx.TimeoutError) as exc:
+                raise RedisUnavailable(unavailable_message(self.url, exc)) from None
+        await self._drive(self._core.setup(self._initial))
 
     def _keep_alive(self) -> None:
         """Start (or restart, on another event loop) the heartbeat task: from the first
@@ -249,8 +318,37 @@ class AsyncRedisLoadBalancer:
         args: Sequence[tuple[str, ...]] | None = None,
         ticket: str | None = None,
     ) -> list[Grant]:
+        """Every acquire script call goes through here. It runs in a task of its own, shielded:
+        cancelling the caller (``asyncio.wait_for`` while Redis is slow) leaves the call to
+        finish on its connection, and the leases it granted are then released, never left
+        counted. (Cancelled mid-reply, redis-py would drop the connection while the script
+        may still run, and a release sent meanwhile on another connection could arrive first.)"""
+        tokens = tokens or new_tokens(len(request_ids))
         op = self._core.acquire(request_ids, tokens, fields, args=args, ticket=ticket)
-        return await self._run(op)
+        call = asyncio.ensure_future(self._run(op))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(functools.partial(self._abandoned, request_ids, tokens))
+            raise
+
+    def _abandoned(
+        self, request_ids: list[str], tokens: list[str], call: asyncio.Future[list[Grant]]
+    ) -> None:
+        """An acquire whose caller was cancelled has finished: release what it granted. If it
+        failed on the way (the connection dropped), the script may have run all the same:
+        release by token, which is a no-op for a lease that was never granted."""
+        if call.cancelled():
+            return
+        error = call.exception()
+        if error is None:
+            for grant in call.result():
+                _release_in_background(
+                    self._release_one(grant.server_id, grant.request_id, grant.token)
+                )
+        elif isinstance(error, RedisUnavailable):
+            for rid, token in zip(request_ids, tokens, strict=True):
+                _release_in_background(self._release_one("", rid, token))
 
     async def _admitted(
         self,
@@ -348,6 +446,7 @@ class AsyncRedisLoadBalancer:
     async def _acquire_one(
         self, request_id: str, token: str | None, fields: Mapping[str, Any]
     ) -> Grant:
+        self._bind()
         if self._acquires is None:
             tokens = [token] if token is not None else None
             return (await self._acquire([request_id], tokens, [fields] if fields else None))[0]
@@ -388,6 +487,7 @@ class AsyncRedisLoadBalancer:
         token: str | None = None,
         failed: bool = False,
     ) -> bool:
+        self._bind()
         if self._releases is None:
             return await self._run(self._core.release(server_id, request_id, token, failed))
         return await self._releases.submit((server_id, request_id, token, failed))
@@ -557,6 +657,11 @@ class AsyncRedisLoadBalancer:
     async def close(self) -> None:
         """Stop the heartbeats, end unreleased leases at once, close the pool if
         this balancer made it."""
+        try:
+            self._bind()
+        except RedisRouterError:  # a client passed in, whose loop closed: nothing can be sent
+            self._keeper = None
+            return
         stopping, self._keeper = self._keeper, None
         if stopping is not None:
             stopping.cancel()
@@ -611,7 +716,16 @@ def _release_in_background(release: Awaitable[bool]) -> None:
     """Run a release nobody awaits, keeping a reference until it is done."""
     pending = asyncio.ensure_future(release)
     _pending_releases.add(pending)
-    pending.add_done_callback(_pending_releases.discard)
+    pending.add_done_callback(_release_done)
+
+
+def _release_done(release: asyncio.Future[bool]) -> None:
+    """A background release ended. One that failed (Redis unreachable) is left to the
+    keeper's reconciliation, which ends the lease once Redis is back; its error is taken
+    here so that asyncio does not report it as never retrieved."""
+    _pending_releases.discard(release)
+    if not release.cancelled() and release.exception() is not None:
+        log.debug("a background release failed: %s", release.exception())
 
 
 async def _renew_age(lease: AsyncLease, stop: asyncio.Event, every: float) -> None:

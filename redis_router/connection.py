@@ -3,6 +3,9 @@
 Schemes, as the ``limits`` library spells them: ``redis://``, ``rediss://``, ``unix://``,
 ``redis+sentinel://[:password@]host:port[,host:port...]/service_name[/db]`` and
 ``redis+cluster://[:password@]host:port[,host:port...]``.
+
+A URL is shown only through :func:`redact`, which splits it as redis-py does (urllib), so no
+password, query credential or part of one reaches an error, a log line or status output.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import time
 import weakref
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 from redis import exceptions as rx
+from redis.asyncio.sentinel import MasterNotFoundError as AsyncMasterNotFoundError
+from redis.sentinel import MasterNotFoundError
 
-from .errors import RedisUnavailable
+from .errors import RedisOutOfMemory, RedisUnavailable
 from .packing import pack_in_c
 
 DEFAULT_URL = "redis://localhost:6379/0"
@@ -34,6 +39,9 @@ RETRIES = 2
 # became a replica in a failover (READONLY; inside a script, Redis 6.2 wraps it in "ERR Error
 # running script ... -READONLY"), is loading its data, or lost its master or cluster quorum.
 _TRANSIENT = re.compile(r"^(LOADING|MASTERDOWN|TRYAGAIN|CLUSTERDOWN)\b|\bREADONLY\b")
+# Redis refused a write over maxmemory: "OOM command not allowed ...", or inside a script on
+# Redis 6.2 "ERR Error running script ... -OOM command not allowed ...".
+_OOM = re.compile(r"(?:^|-)OOM\b")
 # Resends after a transient reply, with their pauses (s): about half a second in all, so a
 # call still fails fast, with RedisUnavailable, when the condition outlasts a failover's switch.
 TRANSIENT_BACKOFF = (0.05, 0.1, 0.2, 0.2)
@@ -44,18 +52,106 @@ TRANSIENT_BACKOFF = (0.05, 0.1, 0.2, 0.2)
 SENTINEL_RECHECK = 1.0
 _last_check: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
 
-_PASSWORD = re.compile(r"(?<=://)([^@/]*)@")
+# Query keys whose values are credentials (redis-py passes every query key to the client as
+# a keyword: ?password=, and this module's ?sentinel_password=); hidden by redact(). Any key
+# naming a password, secret, token or auth is taken for one, to be safe.
+_SECRET_KEY = re.compile(r"pass|secret|token|auth", re.IGNORECASE)
+HIDDEN = "***"
 
 
 def redact(url: str) -> str:
-    """The URL with any user:password part replaced, safe for errors, logs and status."""
+    """The URL without its credentials, safe for errors, logs, repr and status output.
 
-    def hide(m: re.Match[str]) -> str:
-        userinfo = m.group(1)
-        user = userinfo.split(":", 1)[0] if ":" in userinfo else ""
-        return f"{user}:***@" if (user or ":" in userinfo) else "***@"
+    Split as redis-py splits it (``urllib.parse.urlsplit``, as ``redis.connection.parse_url``
+    does): the user info is the netloc up to its last ``@``, so a password holding ``@`` or
+    ``:`` is hidden whole, and shown as ``user:***@``. In the query, the value of the first
+    credential key (``password``, ``sentinel_password``, any key naming a password, secret,
+    token or auth) and everything after it are hidden, since a raw ``&`` may continue it;
+    a fragment is hidden. A raw ``/``, ``?`` or ``#`` in a password ends the netloc early
+    (redis-py misreads such a URL too): when an ``@`` is left after the netloc, everything up
+    to the last one is hidden. A URL that does not split at all is shown as its scheme."""
+    if "://" not in url:  # no scheme (a malformed URL): split it as if it had one
+        return redact("redis://" + url).removeprefix("redis://")
+    scheme = url.partition("://")[0]
+    head = f"{scheme}://"
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return f"{head}{HIDDEN}"
+    tail = _redact_query(parts.path, parts.query if "?" in url else None)
+    if _runs_past_netloc(parts, url):
+        # Shown: what follows its last @ (host, path), unless the URL also names a query
+        # credential, which that @ may belong to.
+        rest = tail + "#" + parts.fragment if parts.fragment else tail
+        host = "" if _SECRET_KEY.search(url) else rest.rpartition("@")[2]
+        return f"{head}{HIDDEN}@{host}"
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    shown = ""
+    if at:
+        user, colon, _ = userinfo.partition(":")
+        shown = f"{user}:{HIDDEN}@" if colon else f"{HIDDEN}@"
+    fragment = f"#{HIDDEN}" if parts.fragment or url.endswith("#") else ""
+    return f"{head}{shown}{hostport}{tail}{fragment}"
 
-    return _PASSWORD.sub(hide, url)
+
+def _runs_past_netloc(parts: SplitResult, url: str) -> bool:
+    """An @ is left after the netloc, outside the query's credential values: the user info
+    holds a raw / ? or # and urllib (so redis-py) cut it short, taking part of it for the
+    host, port or path."""
+    tail = _redact_query(parts.path, parts.query if "?" in url else None)
+    return "@" in tail or "@" in parts.fragment
+
+
+def _redact_query(path: str, query: str | None) -> str:
+    """Path and query, the query hidden from the value of its first credential key on."""
+    if query is None:
+        return path
+    pairs = query.split("&")
+    for i, pair in enumerate(pairs):
+        key, equals, _ = pair.partition("=")
+        if equals and _SECRET_KEY.search(unquote(key)):
+            return f"{path}?{'&'.join([*pairs[:i], key + '=' + HIDDEN])}"
+    return f"{path}?{query}"
+
+
+# A URL's user info inside free text (an error message that quotes a URL): up to the last
+# "@" before white space. Only for text; a URL itself is parsed by redact().
+_USERINFO_IN_TEXT = re.compile(r"(?<=://)\S*@")
+
+
+def hide_userinfo(text: str) -> str:
+    """``text`` with the user info of any URL it quotes hidden."""
+    return _USERINFO_IN_TEXT.sub(HIDDEN + "@", text)
+
+
+def secrets(url: str) -> list[str]:
+    """Every credential the URL holds, as written and decoded (for scrubbing text a redacted
+    URL cannot protect, such as a message that quotes part of a URL): its password, user
+    info up to the last ``@``, and the query's credential values; longest first."""
+    found: set[str] = set()
+    _, sep, rest = url.partition("://")
+    rest = rest if sep else url
+    if "@" in rest:
+        userinfo = rest.rpartition("@")[0]
+        found.update((userinfo, userinfo.partition(":")[2]))
+    try:
+        parts = urlsplit(url)
+        lone_user = parts.username if parts.password is None else None  # redis://secret@host
+        found.update((parts.password or "", lone_user or ""))
+        for key, values in parse_qs(parts.query).items():
+            if _SECRET_KEY.search(key):
+                found.update(values)
+    except ValueError:
+        pass
+    found |= {unquote(s) for s in found}
+    return sorted((s for s in found if s), key=len, reverse=True)
+
+
+def scrub(text: str, url: str) -> str:
+    """``text`` with every credential of ``url`` replaced (see :func:`secrets`)."""
+    for secret in secrets(url):
+        text = text.replace(secret, HIDDEN)
+    return text
 
 
 def resolve_url(url: str | None) -> str:
@@ -94,6 +190,8 @@ def send_failure(
     (``final``: no pause is left)."""
     if isinstance(exc, (rx.ConnectionError, rx.TimeoutError)):
         return RedisUnavailable(unavailable_message(url, exc))
+    if out_of_memory(exc):
+        return out_of_memory_error(url, exc)
     if not transient(exc):
         return script_error(exc)
     if final:
@@ -101,9 +199,31 @@ def send_failure(
     return None
 
 
+def out_of_memory(exc: Exception) -> bool:
+    """True for Redis's refusal of a write over ``maxmemory`` (``OOM ...``; inside a script,
+    Redis 6.2 wraps it in ``ERR Error running script ... -OOM ...``)."""
+    return isinstance(exc, rx.OutOfMemoryError) or bool(_OOM.search(str(exc)))
+
+
+def out_of_memory_error(url: str, exc: Exception) -> RedisOutOfMemory:
+    """The RedisOutOfMemory for a refused script: what happened and what to do."""
+    reply = hide_userinfo(str(exc)).splitlines()[0][:200] if str(exc) else ""
+    return RedisOutOfMemory(
+        f"Redis at {url} is out of memory and refuses writes ({reply}): the call changed "
+        "nothing and may be retried once memory is freed. Free memory or raise maxmemory "
+        "(CONFIG SET maxmemory), and keep maxmemory-policy noeviction (an evicting policy "
+        "would drop leases and corrupt counts)",
+        reply,
+    )
+
+
 def unavailable_message(url: str, exc: Exception) -> str:
     """The RedisUnavailable message: what failed and what to do, with the URL's password hidden."""
-    detail = redact(str(exc))
+    detail = hide_userinfo(str(exc))
+    if isinstance(exc, (MasterNotFoundError, AsyncMasterNotFoundError)):  # "...: <reprs> - why"
+        head, _, more = detail.partition(" : ")
+        why = more.rpartition(" - ")[2] if " - " in more else ""
+        detail = f"{head} (no Sentinel reachable knows it{': ' + why if why else ''})"
     if transient(exc):
         return (
             f"Redis at {url} is not accepting writes ({detail.splitlines()[0][:200]}): a failover "
@@ -146,6 +266,14 @@ def _retry(asyncio: bool) -> Any:
     return retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES)
 
 
+def _no_retry(asyncio: bool) -> Any:
+    """No retry, for the Sentinel clients: the master's client retries the whole call (which
+    asks the Sentinels again), so a retry per Sentinel only multiplies the wait."""
+    from redis.backoff import NoBackoff
+
+    return _redis_module(".retry", asyncio).Retry(NoBackoff(), 0)
+
+
 def _hosts(netloc: str, default_port: int) -> list[tuple[str, int]]:
     out = []
     for part in netloc.split(","):
@@ -155,13 +283,41 @@ def _hosts(netloc: str, default_port: int) -> list[tuple[str, int]]:
 
 
 def connect(url: str, *, asyncio: bool = False) -> Any:
-    """Build a client for ``url``; raises ValueError naming the scheme if it is unknown."""
+    """Build a client for ``url``; raises ValueError naming the scheme if it is unknown, or
+    saying what cannot be parsed (never with the URL's credentials)."""
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme not in SCHEMES:
         raise ValueError(
             f"redis URL {redact(url)!r} has an unsupported scheme; use one of "
             + ", ".join(f"{s}://" for s in SCHEMES)
         )
+    try:
+        misread = _runs_past_netloc(urlsplit(url), url)
+    except ValueError:
+        misread = True
+    if misread:  # redis-py would connect elsewhere, and echo part of the password in errors
+        raise ValueError(
+            f"redis URL {redact(url)!r} cannot be parsed: an '@' follows the host, so a user "
+            "name or password holds a raw / ? or #; percent-encode them (%2F %3F %23, and "
+            "%40 for @)"
+        )
+    try:
+        return _connect(url, scheme, asyncio)
+    except _UrlError:
+        raise
+    except ValueError:  # urllib's or redis-py's message may quote part of a password
+        raise ValueError(
+            f"redis URL {redact(url)!r} cannot be parsed: its host:port or db is not valid; "
+            "a user name or password must percent-encode any of @ : / ? # % (%40 for @, "
+            "%2F for /)"
+        ) from None
+
+
+class _UrlError(ValueError):
+    """A URL refused by this module, whose message is already free of credentials."""
+
+
+def _connect(url: str, scheme: str, asyncio: bool) -> Any:
     opts = dict(CLIENT_OPTIONS, decode_responses=True, retry=_retry(asyncio))
     if scheme in ("redis", "rediss", "unix"):
         return _packing(_redis_module("", asyncio).Redis.from_url(url, **opts), asyncio)
@@ -175,21 +331,28 @@ def connect(url: str, *, asyncio: bool = False) -> Any:
         cluster = _redis_module(".cluster", asyncio)
         nodes = [cluster.ClusterNode(h, p) for h, p in _hosts(netloc, 6379)]
         opts.pop("retry")  # RedisCluster retries by itself (MOVED, failover)
-        return cluster.RedisCluster(
-            startup_nodes=nodes, password=password, username=username, **opts
-        )
+        try:  # the sync client reaches a node here, the asyncio one at its first command
+            return cluster.RedisCluster(
+                startup_nodes=nodes, password=password, username=username, **opts
+            )
+        except (rx.RedisClusterException, rx.ConnectionError, rx.TimeoutError) as exc:
+            raise RedisUnavailable(unavailable_message(redact(url), exc)) from None
     path = [p for p in parts.path.split("/") if p]
     if not path:
-        raise ValueError(
+        raise _UrlError(
             f"redis URL {redact(url)!r} names no service: use "
             "redis+sentinel://host:port[,host:port...]/service_name"
         )
     sentinel_kw = {}
     if "sentinel_password" in query:
         sentinel_kw["password"] = query["sentinel_password"]
-    sentinel = _redis_module(".sentinel", asyncio).Sentinel(
+    sentinel_mod = _redis_module(".sentinel", asyncio)
+    # redis-py's Sentinel clients retry a refused connection for ~15 s by default; these fail
+    # as fast as a redis:// client does (an unreachable Sentinel is an outage like any other).
+    sentinel_opts = dict(CLIENT_OPTIONS, retry=_no_retry(asyncio))
+    sentinel = sentinel_mod.Sentinel(
         _hosts(netloc, 26379),
-        sentinel_kwargs=dict(CLIENT_OPTIONS, **sentinel_kw),
+        sentinel_kwargs=dict(sentinel_opts, **sentinel_kw),
         **CLIENT_OPTIONS,
     )
     db = int(path[1]) if len(path) > 1 else 0

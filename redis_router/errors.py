@@ -37,6 +37,17 @@ class RedisUnavailable(RedisRouterError, ConnectionError):
     password. Calls fail fast with this during an outage and work again once Redis is back."""
 
 
+class RedisOutOfMemory(RedisUnavailable):
+    """Redis refused a write because it is out of memory (``used_memory`` above ``maxmemory``
+    with ``maxmemory-policy noeviction``); the script that was refused wrote nothing, so a
+    call may simply be retried once memory is freed. A RedisUnavailable, so callers that ride
+    out an outage ride this out too. The message says what to do; ``reply`` is Redis's own."""
+
+    def __init__(self, message: str, reply: str = "") -> None:
+        super().__init__(message)
+        self.reply = reply
+
+
 class ConfigMismatch(RedisRouterError, ValueError):
     """This process's settings disagree with the ones pinned in Redis by the balancer's first
     process (all processes of one balancer must share them)."""

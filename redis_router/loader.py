@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.resources
 import inspect
 import warnings
 from collections.abc import Mapping
@@ -104,7 +105,11 @@ def get_router_handle(
 def resolve_config_path(path: str | Path) -> Path:
     """An absolute path: relative paths against the working directory; ``pkg://package/file``
     inside an installed package (for configs shipped in a wheel, e.g.
-    ``pkg://redis_router.plugins/least_tokens.yaml``)."""
+    ``pkg://redis_router.plugins/least_tokens.yaml``), found through importlib.resources.
+
+    A ``pkg://`` path names a file of the package and nothing else: ``..``, ``.``, empty or
+    absolute parts, and a path whose resolved file lies outside the package, are refused, so a
+    config name taken from elsewhere cannot read (and run the class named in) another file."""
     text = str(path)
     if not text.startswith(PKG_SCHEME):
         return Path(text).expanduser().absolute()
@@ -113,6 +118,14 @@ def resolve_config_path(path: str | Path) -> Path:
         raise RouterConfigError(
             f"router config {text!r}: expected pkg://<package>/<file>, e.g. "
             "pkg://redis_router.plugins/least_tokens.yaml"
+        )
+    parts = rel.split("/")
+    if any(part in ("", ".", "..") or "\\" in part for part in parts):
+        raise RouterConfigError(
+            f"router config {text!r}: a pkg:// path names a file inside the package by its "
+            "relative path (no '..', '.', empty or absolute parts, no backslashes), e.g. "
+            "pkg://redis_router.plugins/least_tokens.yaml; give a file path for a file "
+            "elsewhere"
         )
     # The package is imported, not only found: its __init__ may extend its search path (as
     # redis_router.plugins does in a source checkout).
@@ -132,8 +145,25 @@ def resolve_config_path(path: str | Path) -> Path:
         raise RouterConfigError(
             f"router config {text!r}: {package!r} is a module, not a package; give a file path"
         )
-    candidates = [Path(d) / rel for d in locations]
-    return next((p for p in candidates if p.is_file()), candidates[0])
+    found = importlib.resources.files(module).joinpath(*parts)
+    if not isinstance(found, Path):
+        raise RouterConfigError(
+            f"router config {text!r}: {package!r} is not installed as files (a zip?); extract "
+            "the config and give its file path"
+        )
+    # A package whose __init__ extended its search path has files in further folders.
+    candidates = [found, *(Path(d).joinpath(*parts) for d in locations)]
+    target = next((p for p in candidates if p.is_file()), found)
+    # A symlink inside the package may still point out of it: judge the file it resolves to.
+    # (The package's own folder may be a symlink, as redis_router/plugins is in a checkout.)
+    resolved = target.resolve()
+    roots = [Path(d).resolve() for d in locations]
+    if not any(resolved.is_relative_to(root) for root in roots):
+        raise RouterConfigError(
+            f"router config {text!r} resolves to a file outside package {package!r}; a "
+            "pkg:// path names only the package's own files"
+        )
+    return target.absolute()
 
 
 def load_router_config(path: Path) -> dict[str, Any]:

@@ -267,3 +267,18 @@ def test_peak_outstanding_tokens_is_lower_than_request_count_balancing(make_lt, 
     )
     assert by_tokens[0] < by_count[0]
     assert by_tokens[1] < by_count[1]
+
+
+class _Endless:
+    """A sequence-like object whose length no Python int holds (len() raises OverflowError)."""
+
+    def __len__(self) -> int:
+        return 2**64
+
+
+def test_a_prompt_whose_length_is_no_int_is_refused_naming_prompt_ids(make_lt, r):
+    lb = make_lt()
+    before = sorted(r.keys("*"))
+    with pytest.raises(TypeError, match="prompt_ids"):
+        lb.acquire_server("x", prompt_ids=_Endless())
+    assert sorted(r.keys("*")) == before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -243,3 +244,69 @@ def test_the_default_rng_option_passes_through(server):
     lb = get_router_handle(SERVERS, redis=server.url, name="rng", rng=random.Random(1))
     assert lb.acquire_server("a")[0] in SERVERS
     lb.close()
+
+
+# -- pkg:// names a file of the package and nothing else ------------------------------------
+
+
+@pytest.fixture
+def outside_package(tmp_path, monkeypatch):
+    """A package ``rrpkgx`` on sys.path, and beside it (outside it) a valid router config that
+    the package reaches by ``..`` and through a symlink of its own."""
+    pkg = tmp_path / "rrpkgx"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "inside.yaml").write_text("router_class: default\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "x.yaml").write_text("router_class: default\n")
+    (pkg / "link.yaml").symlink_to(elsewhere / "x.yaml")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("rrpkgx", None)  # a previous test's package of that name
+    yield pkg
+    sys.modules.pop("rrpkgx", None)
+
+
+@pytest.mark.parametrize(
+    "rel",
+    [
+        "../elsewhere/x.yaml",
+        "../../elsewhere/x.yaml",
+        "sub/../../elsewhere/x.yaml",
+        "./inside.yaml",
+        "/" + "etc/passwd",
+        "link.yaml",
+    ],
+)
+def test_pkg_path_outside_the_package_is_refused(outside_package, rel):
+    err = fails(SERVERS, f"pkg://rrpkgx/{rel}", "rrpkgx")
+    assert isinstance(err, ValueError)
+    assert "pkg://" in str(err) and "package" in str(err)
+
+
+def test_pkg_path_of_the_shipped_plugins_cannot_climb_out():
+    fails(SERVERS, "pkg://redis_router.plugins/../../elsewhere/x.yaml", "'..'")
+
+
+def test_pkg_path_inside_the_package_still_resolves(outside_package):
+    from redis_router.loader import resolve_config_path
+
+    assert resolve_config_path("pkg://rrpkgx/inside.yaml") == outside_package / "inside.yaml"
+
+
+def test_pkg_path_finds_a_file_in_a_folder_the_package_added_to_its_path(tmp_path, monkeypatch):
+    """A package's __init__ may extend its search path: its files there are its own."""
+    from redis_router.loader import resolve_config_path
+
+    pkg, extra = tmp_path / "rrpkgy", tmp_path / "extra"
+    pkg.mkdir()
+    extra.mkdir()
+    (pkg / "__init__.py").write_text(f"__path__.append({str(extra)!r})\n")
+    (extra / "more.yaml").write_text("router_class: default\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("rrpkgy", None)
+    try:
+        assert resolve_config_path("pkg://rrpkgy/more.yaml") == extra / "more.yaml"
+        fails(SERVERS, "pkg://rrpkgy/../rrpkgy/__init__.py", "'..'")
+    finally:
+        sys.modules.pop("rrpkgy", None)

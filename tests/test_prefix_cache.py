@@ -338,3 +338,49 @@ def test_base_lease_forwards_prompt_and_renews(make_pc, server, r):
 
     assert asyncio.run(go()) == "s2"
     assert invariants.check(r, lb.name) == dict.fromkeys(SERVERS, 0)
+
+
+@pytest.mark.parametrize(
+    "ids, error",
+    [
+        ([1] * BLOCK + [2**64], ValueError),  # beyond 64 bits
+        ([2**63] * BLOCK, ValueError),
+        ([-(2**63) - 1], ValueError),  # however short: checked before anything is sent
+        ([2**40, 1.5], TypeError),  # a wide id beside something that is no int
+        ([2**40, "7"], TypeError),
+    ],
+)
+def test_token_ids_no_64_bit_int_holds_are_refused_naming_prompt_ids(make_pc, r, ids, error):
+    lb = make_pc(kv_block_size=16)
+    before = sorted(r.keys("*"))
+    with pytest.raises(error, match="prompt_ids") as info:
+        lb.acquire_server("x", prompt_ids=ids)
+    assert type(info.value) in (ValueError, TypeError)  # no OverflowError
+    with pytest.raises(error, match="prompt_ids"):
+        lb.acquire_many(["y", "z"], prompt_ids=[prompt(1, 2), ids])
+    with pytest.raises(error, match="prompt_ids"):
+        lb.block_hashes(ids)
+    assert sorted(r.keys("*")) == before  # nothing written, not even the settings
+
+
+def test_wide_token_ids_within_64_bits_still_route(make_pc):
+    lb = make_pc()
+    ids = [2**63 - 1 - i for i in range(2 * BLOCK)]
+    first = lb.acquire_server("a", prompt_ids=ids)[0]
+    assert lb.acquire_server("b", prompt_ids=ids)[0] == first  # found by its prefix
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("block_size", 2**64),
+        ("kv_block_size", 2**64),
+        ("max_index_blocks", 2**70),
+        ("kv_event_lag", 1e306),
+        ("balance_abs_threshold", 1e306),
+        ("balance_rel_threshold", 1e306),
+    ],
+)
+def test_huge_options_are_refused_naming_them(option, value):
+    with pytest.raises(ValueError, match=option):
+        PrefixCacheRouter(router_kwargs={"redis": "redis://127.0.0.1:1/0", option: value})

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from redis import exceptions as rx
 
-from ..connection import DEFAULT_URL, redact
+from ..connection import DEFAULT_URL, hide_userinfo, scrub
 from ..errors import RedisRouterError, RedisUnavailable
 from .common import CliError, one_line, unreachable, url_of
 
@@ -106,38 +106,26 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     return parser
 
 
-def _fail(message: str, secret: str | None) -> int:
-    line = one_line(message)
-    if secret:
-        line = line.replace(secret, "***")
-    print(f"redis-router: error: {line}", file=sys.stderr)
+def _fail(message: str, url: str) -> int:
+    """Print the error as one line, every credential of ``url`` replaced, should a message
+    quote one (a URL in it is already redacted)."""
+    print(f"redis-router: error: {scrub(one_line(message), url)}", file=sys.stderr)
     return 1
-
-
-def _password(url: str) -> str | None:
-    """The URL's password, so that no error message can echo it."""
-    from urllib.parse import urlsplit
-
-    try:
-        return urlsplit(url).password or None
-    except ValueError:
-        return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
     url = url_of(args)
-    secret = _password(url)
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         return 130
     except CliError as exc:
-        return _fail(str(exc), secret)
+        return _fail(str(exc), url)
     except RedisUnavailable as exc:  # its message already names the (redacted) URL
-        return _fail(str(exc), secret)
+        return _fail(str(exc), url)
     except (rx.ConnectionError, rx.TimeoutError) as exc:
-        return _fail(str(unreachable(url, exc)), secret)
+        return _fail(str(unreachable(url, exc)), url)
     except (RedisRouterError, rx.RedisError, ValueError, TypeError, OSError) as exc:
-        return _fail(redact(str(exc)), secret)
+        return _fail(hide_userinfo(str(exc)), url)
