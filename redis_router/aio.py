@@ -45,6 +45,7 @@ from .errors import (
     RedisUnavailable,
     ReplicaEjected,
 )
+from .invoke import Sender
 from .policy import LeastLoaded, RoutingPolicy
 
 # Seconds close() waits for the cancelled keeper task to finish.
@@ -163,6 +164,7 @@ class AsyncRedisLoadBalancer:
         self._keeper: asyncio.Future[None] | None = None
         self._initial = validation.servers_mapping(servers) if servers is not None else {}
         self._client, self.url, self._owns_client = client_for(redis, asyncio=True)
+        self._scripts = Sender(self._client)  # FCALL or EVALSHA, probed on the first call
         self._setup: asyncio.Future[None] | None = None
         self._acquires: Coalescer[_AcquireItem, Grant] | None = None
         self._releases: Coalescer[_ReleaseItem, bool] | None = None
@@ -194,12 +196,7 @@ class AsyncRedisLoadBalancer:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _send(self, call: Call) -> Any:
-        script, client = call.script, self._client
-        try:
-            return await client.evalsha(script.sha, 1, self._core.prefix, *call.args)
-        except rx.NoScriptError:  # first use, or the server restarted or failed over
-            await client.script_load(script.source)
-            return await client.evalsha(script.sha, 1, self._core.prefix, *call.args)
+        return await self._scripts.send_async(call.script, self._core.prefix, call.args)
 
     async def _drive(self, op: Op[T]) -> T:
         try:

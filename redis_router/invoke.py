@@ -1,0 +1,234 @@
+"""Sending a script call: FCALL where the server has Redis Functions, EVALSHA where it has not.
+
+The first call of a :class:`Sender` probes: a server that answers "unknown command" to FCALL
+(Redis 6.2), or a user whose ACL does not allow Functions, gets EVALSHA from then on. A call
+whose function or script the server lacks (first use, ``FUNCTION FLUSH``, ``SCRIPT FLUSH``, a
+restart or failover to a server without them) loads it and is sent again, up to ``ATTEMPTS``
+times; the last attempt sends the source itself with EVAL, which no flush can race, so a
+caller never sees NOSCRIPT or "Function not found". Each of those replies proves the call did
+not run, so sending it again is safe. A library is loaded without REPLACE: its name is its
+version, so one already there is the same code and nobody's library is ever replaced.
+
+``REDIS_ROUTER_SCRIPTS`` (read when a sender is made, i.e. when a balancer is constructed)
+chooses: ``auto`` (the default), ``function`` (FCALL, never probe) or ``eval`` (EVALSHA only).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator
+from typing import Any, Literal
+
+from redis import exceptions as rx
+
+from .scripts import Script
+
+ENV = "REDIS_ROUTER_SCRIPTS"
+MODES = ("auto", "function", "eval")
+ATTEMPTS = 4  # sends of one call, the last one by EVAL
+
+Mode = Literal["auto", "function", "eval"]
+Command = tuple[Any, ...]
+# A recovery plan yields the commands to send and receives each one's reply (or its error,
+# thrown in); it returns the call's result.
+Plan = Generator[Command, Any, Any]
+
+
+def configured_mode() -> Mode:
+    """The mode ``REDIS_ROUTER_SCRIPTS`` asks for (``auto`` when unset)."""
+    value = os.environ.get(ENV, "").strip().lower() or "auto"
+    if value == "auto":
+        return "auto"
+    if value == "function":
+        return "function"
+    if value == "eval":
+        return "eval"
+    raise ValueError(f"{ENV}={value!r}: expected auto, function or eval")
+
+
+def _missing_function(exc: Exception) -> bool:
+    return "function not found" in str(exc).lower()
+
+
+def _no_functions(exc: Exception) -> bool:
+    """The server (6.2) or the user's ACL refuses FCALL or FUNCTION itself (a command refused
+    inside a script says so otherwise: "Unknown Redis command called from script")."""
+    text = str(exc).lower()
+    named = "fcall" in text or "function" in text
+    return named and (isinstance(exc, rx.NoPermissionError) or "unknown command" in text)
+
+
+class Sender:
+    """Sends script calls to one client, sync or asyncio (``send`` and ``send_async``).
+
+    ``functions`` is None until the first call has probed the server (``auto``), then True
+    (FCALL) or False (EVALSHA). A Cluster client gets each call sent to the node of the key
+    prefix's slot (redis-py would otherwise ask a node for FCALL's keys on every call), and
+    FUNCTION LOAD goes to every primary.
+    """
+
+    __slots__ = ("_cluster", "client", "functions")
+
+    def __init__(self, client: Any, mode: Mode | None = None) -> None:
+        mode = mode or configured_mode()
+        self.client = client
+        self.functions: bool | None = None if mode == "auto" else mode == "function"
+        self._cluster = callable(getattr(client, "get_node_from_key", None))
+
+    @property
+    def mode(self) -> str:
+        """What calls are sent with: ``"fcall"``, ``"evalsha"``, or ``"probe"`` before the
+        first call."""
+        return "probe" if self.functions is None else "fcall" if self.functions else "evalsha"
+
+    # -- the commands ----------------------------------------------------------------------
+
+    def _first(self, script: Script, prefix: str, args: tuple[Any, ...]) -> Command:
+        if self.functions is False:
+            return ("EVALSHA", script.sha, 1, prefix, *args)
+        verb = "FCALL_RO" if script.read_only else "FCALL"
+        return (verb, script.function, 1, prefix, *args)
+
+    def _routed(self, command: Command, prefix: str) -> list[dict[str, Any]]:
+        """redis-py options for each send of ``command``: one send, except FUNCTION LOAD on
+        a Cluster, sent to each primary in turn (one that has the library already must not
+        keep the others from getting it)."""
+        if not self._cluster:
+            return [{}]
+        if command[0] == "FUNCTION LOAD":
+            return [{"target_nodes": node} for node in self.client.get_primaries()]
+        if command[0] in ("FCALL", "FCALL_RO"):
+            return [{"target_nodes": self.client.get_node_from_key(prefix)}]
+        return [{}]
+
+    def _loaded(self, exc: rx.ResponseError, command: Command, many: bool) -> bool:
+        """True when a FUNCTION LOAD sent to one of several primaries found it there."""
+        return many and command[0] == "FUNCTION LOAD" and "already exists" in str(exc)
+
+    def _plan(self, script: Script, prefix: str, args: tuple[Any, ...], error: Exception) -> Plan:
+        """What to send after the first attempt failed with ``error``."""
+        for attempt in range(1, ATTEMPTS):
+            if self.functions is not False and _no_functions(error):
+                self.functions = False  # Redis 6.2, or Functions not allowed: EVALSHA for good
+            elif self.functions is not False and _missing_function(error):
+                try:
+                    yield ("FUNCTION LOAD", script.library())
+                    self.functions = True
+                except rx.ResponseError as exc:
+                    if "already exists" in str(exc):
+                        self.functions = True  # another process loaded it meanwhile
+                    elif _no_functions(exc):
+                        self.functions = False  # may call but not load: EVALSHA
+                    else:
+                        raise
+            elif self.functions is False and isinstance(error, rx.NoScriptError):
+                yield ("SCRIPT LOAD", script.source)
+            else:
+                raise error
+            try:
+                if attempt == ATTEMPTS - 1:  # the last try: the source itself, which no flush races
+                    return (yield ("EVAL", script.source, 1, prefix, *args))
+                result = yield self._first(script, prefix, args)
+            except rx.ResponseError as exc:
+                error = exc
+                continue
+            if self.functions is None:
+                self.functions = True
+            return result
+        raise error  # the last attempt (EVAL) failed too: the script's own error
+
+    # -- sync and asyncio drivers ----------------------------------------------------------
+
+    def send(self, script: Script, prefix: str, args: tuple[Any, ...]) -> Any:
+        """The script's reply, sent with a sync client."""
+        command = self._first(script, prefix, args)
+        try:
+            if self._cluster:
+                result = self._execute(command, prefix)
+            else:
+                result = self.client.execute_command(*command)
+        except rx.ResponseError as exc:
+            return self._drive(self._plan(script, prefix, args, exc), prefix)
+        if self.functions is None:
+            self.functions = True
+        return result
+
+    def _execute(self, command: Command, prefix: str) -> Any:
+        routes = self._routed(command, prefix)
+        reply = None
+        for options in routes:
+            try:
+                reply = self.client.execute_command(*command, **options)
+            except rx.ResponseError as exc:
+                if not self._loaded(exc, command, len(routes) > 1):
+                    raise
+        return reply
+
+    def _drive(self, plan: Plan, prefix: str) -> Any:
+        command = next(plan)
+        while True:
+            try:
+                reply = self._execute(command, prefix)
+            except rx.ResponseError as exc:
+                try:
+                    command = plan.throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+                continue
+            try:
+                command = plan.send(reply)
+            except StopIteration as stop:
+                return stop.value
+
+    async def send_async(self, script: Script, prefix: str, args: tuple[Any, ...]) -> Any:
+        """The script's reply, sent with an asyncio client."""
+        command = self._first(script, prefix, args)
+        try:
+            if self._cluster:
+                result = await self._execute_async(command, prefix)
+            else:
+                result = await self.client.execute_command(*command)
+        except rx.ResponseError as exc:
+            return await self._drive_async(self._plan(script, prefix, args, exc), prefix)
+        if self.functions is None:
+            self.functions = True
+        return result
+
+    async def _execute_async(self, command: Command, prefix: str) -> Any:
+        routes = self._routed(command, prefix)
+        reply = None
+        for options in routes:
+            try:
+                reply = await self.client.execute_command(*command, **options)
+            except rx.ResponseError as exc:
+                if not self._loaded(exc, command, len(routes) > 1):
+                    raise
+        return reply
+
+    async def _drive_async(self, plan: Plan, prefix: str) -> Any:
+        command = next(plan)
+        while True:
+            try:
+                reply = await self._execute_async(command, prefix)
+            except rx.ResponseError as exc:
+                try:
+                    command = plan.throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+                continue
+            try:
+                command = plan.send(reply)
+            except StopIteration as stop:
+                return stop.value
+
+
+def loaded_functions(client: Any) -> set[str]:
+    """Names of the redis-router libraries loaded on a sync client's server (``FUNCTION
+    LIST``), for operators and tests."""
+    names = set()
+    for library in client.function_list(library="rr_*"):
+        if not isinstance(library, dict):  # RESP2: a flat list of field, value
+            library = dict(zip(library[::2], library[1::2], strict=True))
+        name = library.get("library_name", library.get(b"library_name"))
+        names.add(name.decode() if isinstance(name, bytes) else str(name))
+    return names
