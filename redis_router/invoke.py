@@ -28,6 +28,17 @@ MODES = ("auto", "function", "eval")
 ATTEMPTS = 4  # sends of one call, the last one by EVAL
 
 Mode = Literal["auto", "function", "eval"]
+# Sent by a Cluster client straight to the node of the key prefix's slot: redis-py's Cluster
+# clients would ask a node for FCALL's keys (COMMAND GETKEYS) before every call. They retry
+# only what they route themselves, so a send that meets a failover is routed by them again.
+_ROUTED = ("FCALL", "FCALL_RO")
+_ROUTE_AGAIN = (
+    rx.ConnectionError,
+    rx.TimeoutError,
+    rx.ClusterDownError,
+    rx.TryAgainError,
+    rx.RedisClusterException,
+)
 Command = tuple[Any, ...]
 # A recovery plan yields the commands to send and receives each one's reply (or its error,
 # thrown in); it returns the call's result.
@@ -62,9 +73,7 @@ class Sender:
     """Sends script calls to one client, sync or asyncio (``send`` and ``send_async``).
 
     ``functions`` is None until the first call has probed the server (``auto``), then True
-    (FCALL) or False (EVALSHA). A Cluster client gets each call sent to the node of the key
-    prefix's slot (redis-py would otherwise ask a node for FCALL's keys on every call), and
-    FUNCTION LOAD goes to every primary.
+    (FCALL) or False (EVALSHA). On a Cluster, FUNCTION LOAD goes to every primary.
     """
 
     __slots__ = ("_cluster", "client", "functions")
@@ -88,22 +97,6 @@ class Sender:
             return ("EVALSHA", script.sha, 1, prefix, *args)
         verb = "FCALL_RO" if script.read_only else "FCALL"
         return (verb, script.function, 1, prefix, *args)
-
-    def _routed(self, command: Command, prefix: str) -> list[dict[str, Any]]:
-        """redis-py options for each send of ``command``: one send, except FUNCTION LOAD on
-        a Cluster, sent to each primary in turn (one that has the library already must not
-        keep the others from getting it)."""
-        if not self._cluster:
-            return [{}]
-        if command[0] == "FUNCTION LOAD":
-            return [{"target_nodes": node} for node in self.client.get_primaries()]
-        if command[0] in ("FCALL", "FCALL_RO"):
-            return [{"target_nodes": self.client.get_node_from_key(prefix)}]
-        return [{}]
-
-    def _loaded(self, exc: rx.ResponseError, command: Command, many: bool) -> bool:
-        """True when a FUNCTION LOAD sent to one of several primaries found it there."""
-        return many and command[0] == "FUNCTION LOAD" and "already exists" in str(exc)
 
     def _plan(self, script: Script, prefix: str, args: tuple[Any, ...], error: Exception) -> Plan:
         """What to send after the first attempt failed with ``error``."""
@@ -154,15 +147,24 @@ class Sender:
         return result
 
     def _execute(self, command: Command, prefix: str) -> Any:
-        routes = self._routed(command, prefix)
-        reply = None
-        for options in routes:
+        client = self.client
+        if not self._cluster:
+            return client.execute_command(*command)
+        if command[0] == "FUNCTION LOAD":  # to each primary: one that has it must not stop it
+            for node in client.get_primaries():
+                try:
+                    client.execute_command(*command, target_nodes=node)
+                except rx.ResponseError as exc:
+                    if "already exists" not in str(exc):
+                        raise
+            return None
+        if command[0] in _ROUTED:
             try:
-                reply = self.client.execute_command(*command, **options)
-            except rx.ResponseError as exc:
-                if not self._loaded(exc, command, len(routes) > 1):
-                    raise
-        return reply
+                node = client.get_node_from_key(prefix)
+                return client.execute_command(*command, target_nodes=node)
+            except _ROUTE_AGAIN:
+                pass  # redis-py retries and follows the topology only for what it routes
+        return client.execute_command(*command)
 
     def _drive(self, plan: Plan, prefix: str) -> Any:
         command = next(plan)
@@ -195,15 +197,26 @@ class Sender:
         return result
 
     async def _execute_async(self, command: Command, prefix: str) -> Any:
-        routes = self._routed(command, prefix)
-        reply = None
-        for options in routes:
+        client = self.client
+        if not self._cluster:
+            return await client.execute_command(*command)
+        if getattr(client, "_initialize", False):  # asyncio clusters learn the slots lazily
+            await client.initialize()
+        if command[0] == "FUNCTION LOAD":
+            for node in client.get_primaries():
+                try:
+                    await client.execute_command(*command, target_nodes=node)
+                except rx.ResponseError as exc:
+                    if "already exists" not in str(exc):
+                        raise
+            return None
+        if command[0] in _ROUTED:
             try:
-                reply = await self.client.execute_command(*command, **options)
-            except rx.ResponseError as exc:
-                if not self._loaded(exc, command, len(routes) > 1):
-                    raise
-        return reply
+                node = client.get_node_from_key(prefix)
+                return await client.execute_command(*command, target_nodes=node)
+            except _ROUTE_AGAIN:
+                pass
+        return await client.execute_command(*command)
 
     async def _drive_async(self, plan: Plan, prefix: str) -> Any:
         command = next(plan)
