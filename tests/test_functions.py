@@ -95,7 +95,7 @@ def test_read_only_scripts_go_by_fcall_ro_and_could_not_write(make_lb, r):
     if not has_functions(r):
         assert stats(r, "evalsha") >= 3 and stats(r, "fcall_ro") == 0  # NOSCRIPT ones too
         return
-    assert stats(r, "fcall_ro") == 3 and stats(r, "fcall") == stats(r, "evalsha") == 0
+    assert stats(r, "fcall_ro") >= 3 and stats(r, "fcall") == stats(r, "evalsha") == 0
     # no-writes is the server's promise, not ours: a write in such a function is refused
     bad = scripts.from_source(
         "writes_anyway",
