@@ -1,4 +1,5 @@
 """``python -m benchmarks.script_ab REV [--calls N] [--batch 1,8] [--server-bin PATH]``
+``python -m benchmarks.script_ab --paths [--calls N] [--batch 1,8] [--server-bin PATH]``
 
 The acquire and release scripts of this checkout against those of git revision REV, call by
 call on one private server: one balancer (this checkout's client) sends the same requests
@@ -13,6 +14,10 @@ Printed per script and batch size (requests per call): the server time per reque
 versions, and after / before, as a trimmed mean (the slowest and fastest tenth of the calls
 left out: a call the machine stalled says nothing of the script) and as the median (whole
 microseconds per call, so coarse for single requests).
+
+``--paths`` times this checkout's scripts sent by EVALSHA ("before") and by FCALL ("after",
+Redis Functions) the same way, alternating at every call on one Redis 7+ or Valkey server. REV
+mode sends both revisions' scripts by EVALSHA.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from pathlib import Path
 
 import redis
 
-from redis_router import RedisLoadBalancer
+from redis_router import RedisLoadBalancer, scripts
 from redis_router.local_server import LocalServer
 from redis_router.scripts import Script
 
@@ -61,15 +66,27 @@ def sources(tree: Path) -> dict[str, Script]:
 
 
 def measure(
-    url: str, versions: dict[str, dict[str, Script]], batch: int, calls: int
+    url: str,
+    versions: dict[str, dict[str, Script]],
+    batch: int,
+    calls: int,
+    fcall: frozenset[str] = frozenset(),
 ) -> dict[tuple[str, str], list[float]]:
-    """Server microseconds per request, by (script, version label)."""
+    """Server microseconds per request, by (script, version label); the versions labelled in
+    ``fcall`` are sent by FCALL, the others by EVALSHA."""
     r = redis.Redis.from_url(url)
     r.flushall()
-    for scripts in versions.values():
-        for s in scripts.values():
-            r.script_load(s.source)
-    of = {s.sha: (name, label) for label, v in versions.items() for name, s in v.items()}
+    for label, version in versions.items():
+        for s in version.values():
+            if label in fcall:
+                r.function_load(s.library(), replace=True)
+            else:
+                r.script_load(s.source)
+    of = {
+        (s.function if label in fcall else s.sha): (name, label)
+        for label, v in versions.items()
+        for name, s in v.items()
+    }
     if len(of) != len(SCRIPTS) * len(versions):
         raise SystemExit("the two revisions' scripts are identical: nothing to compare")
     spent: dict[tuple[str, str], list[float]] = {key: [] for key in of.values()}
@@ -82,7 +99,7 @@ def measure(
     def collect() -> None:
         for entry in r.slowlog_get(1_000_000):
             args = entry["command"].split()
-            if args[0].upper() == b"EVALSHA" and args[1].decode() in of:
+            if args[0].upper() in (b"EVALSHA", b"FCALL") and args[1].decode() in of:
                 spent[of[args[1].decode()]].append(entry["duration"] / batch)
         r.slowlog_reset()
 
@@ -93,6 +110,7 @@ def measure(
                     versions[label]["acquire"],
                     versions[label]["release"],
                 )
+                lb._scripts.functions = label in fcall
                 rids = [uuid.uuid4().hex for _ in range(batch)]
                 if batch == 1:
                     lb.release_server(lb.acquire_server(rids[0])[0], rids[0])
@@ -118,11 +136,16 @@ def trimmed_mean(values: list[float], cut: float = 0.1) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.script_ab", description=__doc__)
-    ap.add_argument("rev", help="the git revision to compare with")
+    ap.add_argument("rev", nargs="?", help="the git revision to compare with")
+    ap.add_argument(
+        "--paths", action="store_true", help="this checkout's scripts by EVALSHA vs by FCALL"
+    )
     ap.add_argument("--calls", type=int, default=2000, help="calls per version and size")
     ap.add_argument("--batch", default="1,8", help="requests per call, comma separated")
     ap.add_argument("--server-bin", metavar="PATH", help="server binary (default: first found)")
     args = ap.parse_args(argv)
+    if (args.rev is None) == (not args.paths):
+        raise SystemExit("give a revision REV or --paths (not both)")
     try:
         sizes = [int(b) for b in args.batch.split(",")]
     except ValueError:
@@ -130,11 +153,20 @@ def main(argv: list[str] | None = None) -> int:
     if not sizes or min(sizes) < 1 or args.calls < 1:
         raise SystemExit("--batch sizes and --calls must be at least 1")
     binary = _binary(args.server_bin)
-    with tempfile.TemporaryDirectory() as tmp, worktree(args.rev, Path(tmp) / "b") as before:
-        versions = {"before": sources(before), "after": sources(HERE)}
+    fcall: frozenset[str] = frozenset()
+    if args.paths:
+        mine = {n: scripts.load(n) for n in SCRIPTS}
+        versions, fcall = {"before": mine, "after": mine}, frozenset({"after"})
+        if binary.version_tuple < (7,):
+            raise SystemExit(f"--paths needs Redis 7+ or Valkey (Functions); {binary.label}")
+        compared = "before = EVALSHA, after = FCALL (this checkout's scripts)"
+    else:
+        with tempfile.TemporaryDirectory() as tmp, worktree(args.rev, Path(tmp) / "b") as before:
+            versions = {"before": sources(before), "after": sources(HERE)}
+        compared = f"before = {args.rev}, after = this checkout (EVALSHA)"
     with LocalServer(binary) as server:
-        results = {b: measure(server.url, versions, b, args.calls) for b in sizes}
-    print(f"before = {args.rev}, after = this checkout; {binary.label}; {args.calls} calls each")
+        results = {b: measure(server.url, versions, b, args.calls, fcall) for b in sizes}
+    print(f"{compared}; {binary.label}; {args.calls} calls each")
     print(f"{'script':<16} {'before':>16} {'after':>16} {'after/before':>14}")
     print(
         f"{'(us / request)':<16} {'trim.  median':>16} {'trim.  median':>16} {'trim. median':>14}"
@@ -148,6 +180,20 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name + ' x' + str(b):<16} {mx:7.2f} {dx:7.2f}  {my:7.2f} {dy:7.2f}"
                 f"  {my / mx:6.3f} {dy / dx:6.3f}"
             )
+        # a pair: the acquire's and the release's figures added (each trimmed on its own)
+        mx, my, dx, dy = (
+            sum(f(spent[(n, label)]) for n in SCRIPTS)
+            for f, label in (
+                (trimmed_mean, "before"),
+                (trimmed_mean, "after"),
+                (statistics.median, "before"),
+                (statistics.median, "after"),
+            )
+        )
+        print(
+            f"{'pair x' + str(b):<16} {mx:7.2f} {dx:7.2f}  {my:7.2f} {dy:7.2f}"
+            f"  {my / mx:6.3f} {dy / dx:6.3f}"
+        )
     return 0
 
 
