@@ -107,6 +107,10 @@ class Sender:
                 try:
                     yield ("FUNCTION LOAD", script.library())
                     self.functions = True
+                except rx.OutOfMemoryError:
+                    # FUNCTION LOAD is refused over maxmemory, SCRIPT LOAD and EVAL are not:
+                    # a release must still end its lease there
+                    return (yield ("EVAL", script.source, 1, prefix, *args))
                 except rx.ResponseError as exc:
                     if "already exists" in str(exc):
                         self.functions = True  # another process loaded it meanwhile

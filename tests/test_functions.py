@@ -458,3 +458,31 @@ def test_a_server_started_anew_without_its_functions_is_loaded_again(binary):
                 assert lease.server_id in SERVERS
     finally:
         srv.close()
+
+
+def test_over_maxmemory_releases_still_end_leases_and_acquires_are_refused(make_lb, r):
+    """noeviction over maxmemory: a function without allow-oom would be refused outright, and
+    FUNCTION LOAD is; a release (loaded or not) ends its lease on every path, as by EVALSHA."""
+    lb = make_lb(SERVERS)
+    loaded, unloaded = lb.acquire("loaded"), lb.acquire("unloaded")
+    assert loaded.release()  # the release function (or script) is loaded now
+    loaded = lb.acquire("loaded")
+    if has_functions(r):
+        r.function_flush()
+    r.script_flush()
+    lb.release_server(lb.acquire_server("warm")[0], "warm")  # release loaded again
+    policy = r.config_get("maxmemory-policy")["maxmemory-policy"]
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(redis.ResponseError, match=r"(?i)oom|maxmemory"):
+            lb.acquire("refused")
+        assert loaded.release()  # a loaded function: allow-oom lets it run
+        r.script_flush()
+        if has_functions(r):
+            r.function_flush()
+        assert unloaded.release()  # FUNCTION LOAD refused: sent with EVAL, which runs
+    finally:
+        r.config_set("maxmemory", 0)
+        r.config_set("maxmemory-policy", policy)
+    assert invariants.check(r, lb._core.name) == dict.fromkeys(SERVERS, 0)
