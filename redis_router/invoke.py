@@ -107,9 +107,10 @@ class Sender:
                 try:
                     yield ("FUNCTION LOAD", script.library())
                     self.functions = True
-                except rx.OutOfMemoryError:
-                    # FUNCTION LOAD is refused over maxmemory, SCRIPT LOAD and EVAL are not:
-                    # a release must still end its lease there
+                except (rx.OutOfMemoryError, rx.ReadOnlyError):
+                    # FUNCTION LOAD is refused over maxmemory and on a replica, where SCRIPT
+                    # LOAD and EVAL are not: a release must still end its lease over
+                    # maxmemory, and a read-only call runs on a replica
                     return (yield ("EVAL", script.source, 1, prefix, *args))
                 except rx.ResponseError as exc:
                     if "already exists" in str(exc):

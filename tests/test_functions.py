@@ -355,27 +355,24 @@ def test_fcall_and_evalsha_give_identical_results_on_random_sequences(server, r,
             return lb.add_servers({arg: None})
         if op == "owner":
             return lb.request_owner(ids[arg % len(ids)])
+        if op == "renew" and held:
+            return held[arg % len(held)].renew()
+        if op == "clear":
+            return lb.clear_sticky_cache()
+        if op == "bump":
+            return lb.bump_weight_version(sticky=bool(arg % 2))
+        if op == "reap":
+            return lb.reap()
         if op == "status":
             st = lb.get_status()
             return st["servers"], st["active_servers"], st["draining_servers"]
         return None
 
-    ops = ["acquire"] * 4 + [
-        "many",
-        "many",
-        "release",
-        "release",
-        "fail",
-        "release_by_id",
-        "drain",
-        "undrain",
-        "remove",
-        "add",
-        "owner",
-        "status",
-    ]
+    ops = ["acquire"] * 4 + ["many", "many", "release", "release", "fail", "release_by_id"]
+    ops += ["drain", "undrain", "remove", "add", "owner", "status", "renew", "clear", "bump"]
+    ops += ["reap"]
     try:
-        for _ in range(60):
+        for _ in range(80):
             op = rng.choice(ops)
             if op in ("drain", "undrain", "remove", "add"):
                 arg: Any = rng.choice(["s1", "s2", "s3", "cap"])
