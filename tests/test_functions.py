@@ -483,3 +483,38 @@ def test_over_maxmemory_releases_still_end_leases_and_acquires_are_refused(make_
         r.config_set("maxmemory", 0)
         r.config_set("maxmemory-policy", policy)
     assert invariants.check(r, lb._core.name) == dict.fromkeys(SERVERS, 0)
+
+
+def test_read_only_calls_run_on_a_replica_that_cannot_load_their_function(server, r):
+    """`status` and friends on a replica (the command line pointed at one): FCALL_RO runs
+    there; a function missing on it cannot be loaded (READONLY), so the call goes by EVAL."""
+    from redis_router.cli.common import Balancer
+
+    with RedisLoadBalancer(SERVERS, redis=server.url, name="replicated") as lb:
+        lease = lb.acquire("r1")
+        replica = LocalServer(server.binary, args=["--replicaof", server.host, str(server.port)])
+        replica.start()
+        try:
+            rc = replica.client(decode_responses=True)
+            deadline = time.monotonic() + 30
+            while rc.info("replication").get("master_link_status") != "up":
+                assert time.monotonic() < deadline, "the replica never synced"
+                time.sleep(0.05)
+            while (
+                rc.zscore(invariants.prefix("replicated") + "held:" + lease.server_id, lease.token)
+                is None
+            ):
+                assert time.monotonic() < deadline, "the lease never reached the replica"
+                time.sleep(0.05)
+            if has_functions(r):
+                r.function_flush()  # replicated: the replica has none either
+            on_replica = Balancer(rc, "replicated", replica.url)
+            status = on_replica.status()
+            assert status["servers"][lease.server_id] == 1 and status["total_inflight"] == 1
+            assert on_replica.status()["total_inflight"] == 1  # again, by the same path
+            if has_functions(r):
+                assert stats(rc, "eval") >= 2 and stats(rc, "fcall_ro") >= 2
+            rc.close()
+        finally:
+            replica.close()
+        assert lease.release()
