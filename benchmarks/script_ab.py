@@ -11,9 +11,11 @@ percent there. For changes inside the scripts, not to their arguments: REV's scr
 the arguments this checkout's client sends.
 
 Printed per script and batch size (requests per call): the server time per request for both
-versions, and after / before, as a trimmed mean (the slowest and fastest tenth of the calls
-left out: a call the machine stalled says nothing of the script) and as the median (whole
-microseconds per call, so coarse for single requests).
+versions (``pair``: acquire and release added; ``wall``: the caller's time per request of a
+pair, client and round trips included, with every command in the slow log), and after /
+before, as a trimmed mean (the slowest and fastest tenth of the calls left out: a call the
+machine stalled says nothing of the script) and as the median (whole microseconds per call,
+so coarse for single requests).
 
 ``--paths`` times this checkout's scripts sent by EVALSHA ("before") and by FCALL ("after",
 Redis Functions) the same way, alternating at every call on one Redis 7+ or Valkey server. REV
@@ -29,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -90,6 +93,8 @@ def measure(
     if len(of) != len(SCRIPTS) * len(versions):
         raise SystemExit("the two revisions' scripts are identical: nothing to compare")
     spent: dict[tuple[str, str], list[float]] = {key: [] for key in of.values()}
+    for label in versions:  # the caller's whole pair: client, round trips and server
+        spent[("wall", label)] = []
     lb = RedisLoadBalancer({f"s{i}": f"http://h{i}" for i in range(REPLICAS)}, redis=url)
     core = lb._core  # the scripts it sends are swapped below: same client, same keys
     labels = list(versions)
@@ -112,12 +117,14 @@ def measure(
                 )
                 lb._scripts.functions = label in fcall
                 rids = [uuid.uuid4().hex for _ in range(batch)]
+                started = time.perf_counter()
                 if batch == 1:
                     lb.release_server(lb.acquire_server(rids[0])[0], rids[0])
                 else:
                     got = lb.acquire_many(rids)
                     ends = [(s, rid, None) for (s, _), rid in zip(got, rids, strict=True)]
                     lb._run(core.release_many(ends))
+                spent[("wall", label)].append((time.perf_counter() - started) * 1e6 / batch)
             if k % 200 == 199:
                 collect()
         collect()
@@ -192,6 +199,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"{'pair x' + str(b):<16} {mx:7.2f} {dx:7.2f}  {my:7.2f} {dy:7.2f}"
+            f"  {my / mx:6.3f} {dy / dx:6.3f}"
+        )
+        x, y = spent[("wall", "before")], spent[("wall", "after")]
+        mx, my = trimmed_mean(x), trimmed_mean(y)
+        dx, dy = statistics.median(x), statistics.median(y)
+        print(
+            f"{'wall x' + str(b):<16} {mx:7.2f} {dx:7.2f}  {my:7.2f} {dy:7.2f}"
             f"  {my / mx:6.3f} {dy / dx:6.3f}"
         )
     return 0

@@ -132,7 +132,9 @@ def test_script_ab_times_both_versions_call_by_call():
     )
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {" ".join(line.split()[:2]): line.split()[2:] for line in done.stdout.splitlines()[3:]}
-    assert set(rows) == {f"{s} x{b}" for s in ("acquire", "release", "pair") for b in (1, 8)}
+    assert set(rows) == {
+        f"{s} x{b}" for s in ("acquire", "release", "pair", "wall") for b in (1, 8)
+    }
     for values in rows.values():
         assert len(values) == 6 and all(math.isfinite(float(v)) and float(v) > 0 for v in values)
     assert git("worktree", "list") == worktrees  # the temporary one is removed
@@ -151,7 +153,9 @@ def test_script_ab_paths_times_evalsha_against_fcall():
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("before = EVALSHA, after = FCALL")
     rows = {" ".join(line.split()[:2]): line.split()[2:] for line in done.stdout.splitlines()[3:]}
-    assert set(rows) == {f"{s} x{b}" for s in ("acquire", "release", "pair") for b in (1, 8)}
+    assert set(rows) == {
+        f"{s} x{b}" for s in ("acquire", "release", "pair", "wall") for b in (1, 8)
+    }
     for b in (1, 8):
         pair, parts = rows[f"pair x{b}"], (rows[f"acquire x{b}"], rows[f"release x{b}"])
         for i in (0, 2):  # trimmed means of before and after
