@@ -12,7 +12,8 @@ the arguments this checkout's client sends.
 
 Printed per script and batch size (requests per call): the server time per request for both
 versions (``pair``: acquire and release added; ``wall``: the caller's time per request of a
-pair, client and round trips included, with every command in the slow log), and after /
+pair, client and round trips included, with every command in the slow log; ``noop``: one
+call of a script that returns at once, sent after each pair), and after /
 before, as a trimmed mean (the slowest and fastest tenth of the calls left out: a call the
 machine stalled says nothing of the script) and as the median (whole microseconds per call,
 so coarse for single requests).
@@ -45,6 +46,7 @@ from .__main__ import _binary
 from .compare import HERE, worktree
 
 SCRIPTS = ("acquire", "release")
+NOOP = scripts.from_source("noop", "-- Uses     lib/base\nreturn 1")
 REPLICAS = 8
 _SOURCES = (
     "import json; from redis_router import scripts; "
@@ -95,6 +97,14 @@ def measure(
     spent: dict[tuple[str, str], list[float]] = {key: [] for key in of.values()}
     for label in versions:  # the caller's whole pair: client, round trips and server
         spent[("wall", label)] = []
+    noop = {label: NOOP for label in versions}  # the fixed cost of a call, per path
+    for label in versions if fcall else ():  # (--paths only: one no-op for both revisions)
+        if label in fcall:
+            r.function_load(NOOP.library(), replace=True)
+        else:
+            r.script_load(NOOP.source)
+        spent[("noop", label)] = []
+        of[NOOP.function if label in fcall else NOOP.sha] = ("noop", label)
     lb = RedisLoadBalancer({f"s{i}": f"http://h{i}" for i in range(REPLICAS)}, redis=url)
     core = lb._core  # the scripts it sends are swapped below: same client, same keys
     labels = list(versions)
@@ -105,7 +115,8 @@ def measure(
         for entry in r.slowlog_get(1_000_000):
             args = entry["command"].split()
             if args[0].upper() in (b"EVALSHA", b"FCALL") and args[1].decode() in of:
-                spent[of[args[1].decode()]].append(entry["duration"] / batch)
+                name, label = of[args[1].decode()]
+                spent[(name, label)].append(entry["duration"] / (1 if name == "noop" else batch))
         r.slowlog_reset()
 
     try:
@@ -125,6 +136,10 @@ def measure(
                     ends = [(s, rid, None) for (s, _), rid in zip(got, rids, strict=True)]
                     lb._run(core.release_many(ends))
                 spent[("wall", label)].append((time.perf_counter() - started) * 1e6 / batch)
+                if label in fcall:
+                    r.fcall(noop[label].function, 1, core.prefix)
+                elif fcall:
+                    r.evalsha(noop[label].sha, 1, core.prefix)
             if k % 200 == 199:
                 collect()
         collect()
@@ -201,13 +216,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{'pair x' + str(b):<16} {mx:7.2f} {dx:7.2f}  {my:7.2f} {dy:7.2f}"
             f"  {my / mx:6.3f} {dy / dx:6.3f}"
         )
-        x, y = spent[("wall", "before")], spent[("wall", "after")]
-        mx, my = trimmed_mean(x), trimmed_mean(y)
-        dx, dy = statistics.median(x), statistics.median(y)
-        print(
-            f"{'wall x' + str(b):<16} {mx:7.2f} {dx:7.2f}  {my:7.2f} {dy:7.2f}"
-            f"  {my / mx:6.3f} {dy / dx:6.3f}"
-        )
+        for row in ("wall", "noop") if fcall else ("wall",):  # noop: per call, not request
+            x, y = spent[(row, "before")], spent[(row, "after")]
+            mx, my = trimmed_mean(x), trimmed_mean(y)
+            dx, dy = statistics.median(x), statistics.median(y)
+            print(
+                f"{row + ' x' + str(b):<16} {mx:7.2f} {dx:7.2f}  {my:7.2f} {dy:7.2f}"
+                f"  {my / mx:6.3f} {dy / dx:6.3f}"
+            )
     return 0
 
 

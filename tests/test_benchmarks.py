@@ -154,7 +154,7 @@ def test_script_ab_paths_times_evalsha_against_fcall():
     assert done.stdout.startswith("before = EVALSHA, after = FCALL")
     rows = {" ".join(line.split()[:2]): line.split()[2:] for line in done.stdout.splitlines()[3:]}
     assert set(rows) == {
-        f"{s} x{b}" for s in ("acquire", "release", "pair", "wall") for b in (1, 8)
+        f"{s} x{b}" for s in ("acquire", "release", "pair", "wall", "noop") for b in (1, 8)
     }
     for b in (1, 8):
         pair, parts = rows[f"pair x{b}"], (rows[f"acquire x{b}"], rows[f"release x{b}"])
