@@ -10,7 +10,8 @@ not run, so sending it again is safe. A library is loaded without REPLACE: its n
 version, so one already there is the same code and nobody's library is ever replaced.
 
 ``REDIS_ROUTER_SCRIPTS`` (read when a sender is made, i.e. when a balancer is constructed)
-chooses: ``auto`` (the default), ``function`` (FCALL, never probe) or ``eval`` (EVALSHA only).
+chooses: ``auto`` (the default), ``function`` (FCALL from the first call; a server without
+Functions still gets EVALSHA) or ``eval`` (EVALSHA only).
 """
 
 from __future__ import annotations
@@ -101,25 +102,26 @@ class Sender:
     def _plan(self, script: Script, prefix: str, args: tuple[Any, ...], error: Exception) -> Plan:
         """What to send after the first attempt failed with ``error``."""
         for attempt in range(1, ATTEMPTS):
-            if self.functions is not False and _no_functions(error):
+            if _no_functions(error):
                 self.functions = False  # Redis 6.2, or Functions not allowed: EVALSHA for good
-            elif self.functions is not False and _missing_function(error):
-                try:
-                    yield ("FUNCTION LOAD", script.library())
-                    self.functions = True
-                except (rx.OutOfMemoryError, rx.ReadOnlyError):
-                    # FUNCTION LOAD is refused over maxmemory and on a replica, where SCRIPT
-                    # LOAD and EVAL are not: a release must still end its lease over
-                    # maxmemory, and a read-only call runs on a replica
-                    return (yield ("EVAL", script.source, 1, prefix, *args))
-                except rx.ResponseError as exc:
-                    if "already exists" in str(exc):
-                        self.functions = True  # another process loaded it meanwhile
-                    elif _no_functions(exc):
-                        self.functions = False  # may call but not load: EVALSHA
-                    else:
-                        raise
-            elif self.functions is False and isinstance(error, rx.NoScriptError):
+            elif _missing_function(error):
+                if self.functions is not False:  # (else another call found no Functions)
+                    try:
+                        yield ("FUNCTION LOAD", script.library())
+                        self.functions = True
+                    except (rx.OutOfMemoryError, rx.ReadOnlyError):
+                        # FUNCTION LOAD is refused over maxmemory and on a replica, where
+                        # SCRIPT LOAD and EVAL are not: a release must still end its lease
+                        # over maxmemory, and a read-only call runs on a replica
+                        return (yield ("EVAL", script.source, 1, prefix, *args))
+                    except rx.ResponseError as exc:
+                        if "already exists" in str(exc):
+                            self.functions = True  # another process loaded it meanwhile
+                        elif _no_functions(exc):
+                            self.functions = False  # may call but not load: EVALSHA
+                        else:
+                            raise
+            elif isinstance(error, rx.NoScriptError):
                 yield ("SCRIPT LOAD", script.source)
             else:
                 raise error

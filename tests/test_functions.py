@@ -70,6 +70,7 @@ def test_every_script_of_the_library_and_of_plugins_loads_as_a_function(r):
         assert sender.send(scripts.load("counts"), "rr:{x}:", ()) == []
         assert sender.mode == "evalsha"
         return
+    r.function_flush()  # FLUSHALL between tests keeps functions: load each here, anew
     for script in every:  # compiles here: Lua's 200 locals and 60 upvalues hold
         assert r.function_load(script.library()) == script.function
     listed = {}
