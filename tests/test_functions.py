@@ -24,6 +24,7 @@ from redis_router import (
     NoCapacity,
     NoServersAvailable,
     RedisLoadBalancer,
+    RedisUnavailable,
     core,
     scripts,
 )
@@ -522,3 +523,35 @@ def test_read_only_calls_run_on_a_replica_that_cannot_load_their_function(server
         finally:
             replica.close()
         assert lease.release()
+
+
+def test_after_a_sentinel_failover_calls_go_on_with_the_functions_replicated(binary):
+    """FUNCTION LOAD replicates: the promoted replica runs the functions without a reload,
+    and a worker's calls go on by the same path, with no error reaching it."""
+    from .servers import LocalSentinelGroup
+
+    with (
+        LocalSentinelGroup(binary, service_name="rr-fn", sentinels=3) as group,
+        RedisLoadBalancer(SERVERS, redis=group.url, name="fo") as lb,
+    ):
+        with lb.lease("before"):
+            pass
+        path = lb._scripts.mode
+        with group.master.client() as c:
+            assert c.execute_command("WAIT", 1, 5000) == 1
+        group.failover()
+        with group.master.client() as c:  # the new master
+            c.config_resetstat()
+            deadline = time.monotonic() + 30
+            while True:  # a call may meet the demoted master until its connections drop
+                try:
+                    with lb.lease("after") as lease:
+                        assert lease.server_id in SERVERS
+                    break
+                except RedisUnavailable:
+                    assert time.monotonic() < deadline, "no call succeeded after the failover"
+                    time.sleep(0.2)
+            assert lb._scripts.mode == path
+            if path == "fcall":
+                assert stats(c, "fcall") >= 2 and stats(c, "function|load") == 0
+            assert lb.get_status()["total_inflight"] == 0
