@@ -55,9 +55,13 @@ class Script:
     name: str
     source: str
     sha: str
-    function: str = ""
+    function: str = ""  # made from name and sha when not given
     read_only: bool = False
     allow_oom: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.function:
+            object.__setattr__(self, "function", function_name(self.name, self.sha))
 
     def library(self) -> str:
         """The source as a Functions library: the script runs in a callback whose parameters
@@ -126,9 +130,13 @@ def from_source(name: str, text: str, here: Path | None = None) -> Script:
         parts.append(part.read_text())
     source = "\n".join([*parts, text])
     sha = hashlib.sha1(source.encode()).hexdigest()
-    function = f"rr_{_NOT_A_NAME.sub('_', name)}_{sha[:16]}"
     read_only = _READ_ONLY.search(text) is not None
-    return Script(name, source, sha, function, read_only, name in ALLOW_OOM and not read_only)
+    return Script(name, source, sha, "", read_only, name in ALLOW_OOM and not read_only)
+
+
+def function_name(name: str, sha: str) -> str:
+    """The name of a script's Functions library and function: its version is in it."""
+    return f"rr_{_NOT_A_NAME.sub('_', name)}_{sha[:16]}"
 
 
 def all_scripts() -> dict[str, Script]:

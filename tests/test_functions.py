@@ -121,6 +121,11 @@ def test_the_server_chooses_the_path_and_the_environment_can_force_evalsha(serve
     assert stats(r, "evalsha") > 0 and stats(r, "fcall") == stats(r, "fcall_ro") == 0
     monkeypatch.setenv(ENV, "Function")
     assert configured_mode() == "function"
+    assert Sender(r).mode == "fcall"  # not probed: FCALL from the first call ...
+    with RedisLoadBalancer(SERVERS, redis=server.url, name="by-hand") as by_hand:
+        by_hand.acquire("y").release()
+        assert by_hand._scripts.mode == ("fcall" if functions else "evalsha")  # ... but 6.2
+    assert scripts.Script("x-y", "return 1", "ab" * 20).function == "rr_x_y_" + "ab" * 8
     monkeypatch.setenv(ENV, "lua")
     with pytest.raises(ValueError, match=f"{ENV}='lua': expected auto, function or eval"):
         RedisLoadBalancer(SERVERS, redis=server.url, name="bad-mode")
