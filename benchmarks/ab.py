@@ -108,7 +108,8 @@ def _redis_cpu(r: redis.Redis) -> float:
 
 
 def _server_usec(r: redis.Redis) -> float:
-    return float(sum(v["usec"] for k, v in r.info("commandstats").items() if "evalsha" in k))
+    scripts = ("cmdstat_evalsha", "cmdstat_fcall", "cmdstat_fcall_ro", "cmdstat_eval")
+    return float(sum(v["usec"] for k, v in r.info("commandstats").items() if k in scripts))
 
 
 def pair(tree: Path, r: redis.Redis, url: str, n: int) -> dict[str, float]:

@@ -135,7 +135,8 @@ def _cpu(client: redis.Redis) -> tuple[float, float, float]:
     """(Redis process CPU, EVALSHA server time, HGETALL server time) so far, in s."""
     cpu = client.info("cpu")
     stats = client.info("commandstats")
-    scripts = stats.get("cmdstat_evalsha", {}).get("usec", 0) / 1e6
+    verbs = ("evalsha", "fcall", "fcall_ro", "eval")
+    scripts = sum(stats.get(f"cmdstat_{v}", {}).get("usec", 0) for v in verbs) / 1e6
     polls = stats.get("cmdstat_hgetall", {}).get("usec", 0) / 1e6
     return cpu["used_cpu_user"] + cpu["used_cpu_sys"], scripts, polls
 

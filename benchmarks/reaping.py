@@ -27,10 +27,12 @@ LEASE_TTL = 0.3
 def _durations(client: redis.Redis) -> dict[str, list[int]]:
     """Microseconds of every script call in the slow log (logging everything), by script."""
     names = {s.sha: name for name, s in all_scripts().items()}
+    names.update({s.function: name for name, s in all_scripts().items()})  # sent by FCALL
     out: dict[str, list[int]] = {}
     for e in client.slowlog_get(200_000):
         words = str(e["command"]).split()
-        if words and words[0].upper().endswith("EVALSHA") and len(words) > 1:
+        verb = words[0].upper().strip("B'\"") if words else ""
+        if verb in ("EVALSHA", "FCALL", "FCALL_RO") and len(words) > 1:
             out.setdefault(names.get(words[1].strip("'"), "other"), []).append(int(e["duration"]))
     return out
 

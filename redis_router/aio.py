@@ -52,6 +52,7 @@ from .errors import (
     RedisUnavailable,
     ReplicaEjected,
 )
+from .invoke import Sender
 from .policy import LeastLoaded, RoutingPolicy
 
 log = logging.getLogger("redis_router")
@@ -181,6 +182,7 @@ class AsyncRedisLoadBalancer:
         self._client, self.url, self._owns_client = client_for(redis, asyncio=True)
         # What the client was made from, to make it again on another event loop (below).
         self._given_url = resolve_url(redis) if self._owns_client else None
+        self._scripts = Sender(self._client)  # FCALL or EVALSHA, probed on the first call
         self._setup: asyncio.Future[None] | None = None
         self._coalesce = coalesce
         self._acquires: Coalescer[_AcquireItem, Grant] | None = None
@@ -225,6 +227,7 @@ class AsyncRedisLoadBalancer:
             # The old client's connections belong to the old loop; they cannot even be closed
             # from here and go with the old client.
             self._client = connect(self._given_url, asyncio=True)
+            self._scripts = Sender(self._client)
         self._make_coalescers()
         if self._setup is not None and not self._setup.done():
             self._setup = None  # it was left behind on the old loop: set up again
@@ -254,12 +257,7 @@ class AsyncRedisLoadBalancer:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _send(self, call: Call) -> Any:
-        script, client = call.script, self._client
-        try:
-            return await client.evalsha(script.sha, 1, self._core.prefix, *call.args)
-        except rx.NoScriptError:  # first use, or the server restarted or failed over
-            await client.script_load(script.source)
-            return await client.evalsha(script.sha, 1, self._core.prefix, *call.args)
+        return await self._scripts.send_async(call.script, self._core.prefix, call.args)
 
     async def _drive(self, op: Op[T]) -> T:
         try:

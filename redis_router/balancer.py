@@ -37,6 +37,7 @@ from .core import (
     new_tokens,
 )
 from .errors import NoCapacity, RedisRouterError, RedisUnavailable, ReplicaEjected
+from .invoke import Sender
 from .policy import LeastLoaded, RoutingPolicy
 
 log = logging.getLogger("redis_router")
@@ -154,6 +155,7 @@ class RedisLoadBalancer:
         self._keeper: keeper.ThreadKeeper | None = None
         self._keeper_lock = threading.Lock()
         self._client, self.url, self._owns_client = client_for(redis, asyncio=False)
+        self._scripts = Sender(self._client)  # FCALL or EVALSHA, probed on the first call
         self._run(self._core.setup(checked))
         self._core.on_acquire = self._keep_alive
         keeper.track(self)
@@ -182,12 +184,7 @@ class RedisLoadBalancer:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _send(self, call: Call) -> Any:
-        script, client = call.script, self._client
-        try:
-            return client.evalsha(script.sha, 1, self._core.prefix, *call.args)
-        except rx.NoScriptError:  # first use, or the server restarted or failed over
-            client.script_load(script.source)
-            return client.evalsha(script.sha, 1, self._core.prefix, *call.args)
+        return self._scripts.send(call.script, self._core.prefix, call.args)
 
     def _keep_alive(self) -> None:
         """Start the heartbeats (first acquire): from now on this process holds leases."""

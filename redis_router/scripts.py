@@ -3,9 +3,9 @@
 Each script names on its ``-- Uses`` header line the shared parts it needs (``lib/base``,
 ``lib/holders``, ``lib/leases``, ``lib/picking``, ``lib/acquiring``; a plugin's own parts by
 file name beside it); the loader prepends exactly those, in that order, so there is one copy
-of the lease and sticky logic and a script pays only for what it uses. Scripts run by
-EVALSHA; only when a server answers NOSCRIPT (first use, restart, failover) is the source
-sent with SCRIPT LOAD, so no call pays for an existence check.
+of the lease and sticky logic and a script pays only for what it uses. Each assembled script
+is also one Redis Functions library of one function, named after the script and a hash of its
+source (``invoke.py`` sends it with FCALL where the server has Functions, else EVALSHA).
 """
 
 from __future__ import annotations
@@ -46,9 +46,43 @@ NAMES = (
 
 @dataclass(frozen=True)
 class Script:
+    """An assembled script. ``function`` names both its Functions library and the one function
+    in it: the script's name and the first 16 hex digits of the source's SHA-1, so two versions
+    of the client load side by side and never replace each other's code. ``read_only``
+    scripts (header ``-- Keeps    read only``) carry the ``no-writes`` flag and go by FCALL_RO;
+    ``allow_oom`` ones (those that end leases or keep them alive) run while the server is over
+    ``maxmemory``."""
+
     name: str
     source: str
     sha: str
+    function: str = ""  # made from name and sha when not given
+    read_only: bool = False
+    allow_oom: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.function:
+            object.__setattr__(self, "function", function_name(self.name, self.sha))
+
+    def library(self) -> str:
+        """The source as a Functions library: the script runs in a callback whose parameters
+        are named KEYS and ARGV, so the body reads them as it reads EVAL's globals."""
+        flags = "'no-writes'" if self.read_only else "'allow-oom'" if self.allow_oom else ""
+        return (
+            f"#!lua name={self.function}\n"
+            f"redis.register_function{{function_name='{self.function}', flags={{{flags}}}, "
+            f"callback=function(KEYS, ARGV)\n{self.source}\nend}}\n"
+        )
+
+
+# Scripts that end leases, or keep live ones alive, must run during a noeviction out-of-memory
+# spell (a function without ``allow-oom`` is refused outright there, where EVAL let a script
+# whose first write frees memory go on): releasing is how memory comes back.
+ALLOW_OOM = frozenset(
+    {"release", "retire", "forget", "leave", "reap", "remove_servers", "destroy", "heartbeat"}
+)
+_READ_ONLY = re.compile(r"^-- Keeps +read only", re.MULTILINE)
+_NOT_A_NAME = re.compile(r"[^A-Za-z0-9_]")
 
 
 @cache
@@ -96,7 +130,14 @@ def from_source(name: str, text: str, here: Path | None = None) -> Script:
             raise FileNotFoundError(f"script {name!r} uses {ref!r}, which does not exist")
         parts.append(part.read_text())
     source = "\n".join([*parts, text])
-    return Script(name, source, hashlib.sha1(source.encode()).hexdigest())
+    sha = hashlib.sha1(source.encode()).hexdigest()
+    read_only = _READ_ONLY.search(text) is not None
+    return Script(name, source, sha, "", read_only, name in ALLOW_OOM and not read_only)
+
+
+def function_name(name: str, sha: str) -> str:
+    """The name of a script's Functions library and function: its version is in it."""
+    return f"rr_{_NOT_A_NAME.sub('_', name)}_{sha[:16]}"
 
 
 def all_scripts() -> dict[str, Script]:

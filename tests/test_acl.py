@@ -82,3 +82,28 @@ def test_library_works_under_the_acl_user_and_cannot_touch_other_keys(
             attempt()
     user.close()
     assert r.keys("*") == ["rr:{billing}:servers"] and r.get("rr:{billing}:servers") == "precious"
+
+
+def test_the_rule_with_functions_appended_runs_the_library_by_fcall(server, r: redis.Redis) -> None:
+    """The documented rule selects EVALSHA by itself (FCALL refused), as does a rule that lets
+    the user call functions but not load them; with `+fcall +fcall_ro +function|load` appended
+    (Redis 7+ and Valkey) the same user goes by Functions."""
+    try:
+        r.function_list()
+    except redis.ResponseError:
+        pytest.skip("Redis 6.2 has no Functions: the documented rule alone applies")
+    calls = ["+fcall", "+fcall_ro"]
+    users = {
+        "plain": (acl_rule("jobs", "pw"), "jobs", "evalsha"),
+        "callonly": ([*acl_rule("co", "pw"), *calls], "co", "evalsha"),
+        "functions": ([*acl_rule("fn", "pw"), *calls, "+function|load"], "fn", "fcall"),
+    }
+    r.function_flush()
+    for user, (rule, name, path) in users.items():  # in this order: only the last may load
+        r.execute_command("ACL", "SETUSER", user, *rule)
+        url = f"redis://{user}:pw@127.0.0.1:{server.port}/0"
+        with RedisLoadBalancer({"a": None, "b": None}, redis=url, name=name) as lb:
+            with lb.lease("r1") as lease:
+                assert lease.server_id in {"a", "b"}
+            assert lb.get_status()["total_inflight"] == 0
+            assert lb._scripts.mode == path, user

@@ -113,14 +113,14 @@ def test_lease_is_released_when_the_task_is_cancelled_in_the_body(server, r):
 def test_lease_granted_to_a_task_cancelled_while_acquiring_is_released(server, r):
     async def body(alb: AsyncRedisLoadBalancer) -> None:
         sent, gate = asyncio.Event(), asyncio.Event()
-        evalsha = alb._client.evalsha
+        send = alb._client.execute_command  # FCALL or EVALSHA, whichever the server takes
 
-        async def held_back(*args: Any) -> Any:  # the acquire reaches Redis only at the gate
+        async def held_back(*args: Any, **options: Any) -> Any:  # reaches Redis at the gate
             sent.set()
             await gate.wait()
-            return await evalsha(*args)
+            return await send(*args, **options)
 
-        alb._client.evalsha = held_back
+        alb._client.execute_command = held_back
         entered = False
 
         async def worker() -> None:
@@ -134,7 +134,7 @@ def test_lease_granted_to_a_task_cancelled_while_acquiring_is_released(server, r
         gate.set()  # ...and Redis grants it anyway
         with pytest.raises(asyncio.CancelledError):
             await task
-        alb._client.evalsha = evalsha
+        alb._client.execute_command = send
         assert not entered
         assert await settle(alb, 0) == 0  # the late grant was released, not leaked
 

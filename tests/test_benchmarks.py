@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from benchmarks.__main__ import ROW_IDS
-from redis_router.local_server import first_server_binary
+from redis_router.local_server import find_server_binaries, first_server_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -132,10 +132,34 @@ def test_script_ab_times_both_versions_call_by_call():
     )
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {" ".join(line.split()[:2]): line.split()[2:] for line in done.stdout.splitlines()[3:]}
-    assert set(rows) == {f"{s} x{b}" for s in ("acquire", "release") for b in (1, 8)}
+    assert set(rows) == {
+        f"{s} x{b}" for s in ("acquire", "release", "pair", "wall") for b in (1, 8)
+    }
     for values in rows.values():
         assert len(values) == 6 and all(math.isfinite(float(v)) and float(v) > 0 for v in values)
     assert git("worktree", "list") == worktrees  # the temporary one is removed
+
+
+def test_script_ab_paths_times_evalsha_against_fcall():
+    """``--paths``: this checkout's scripts by EVALSHA and by FCALL on one Redis 7+ server;
+    a pair is its acquire's and release's times added."""
+    binary = next((b for b in find_server_binaries() if b.version_tuple >= (7,)), None)
+    assert binary is not None, "no server binary with Functions found"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.script_ab", "--paths", "--calls", "30",
+         "--server-bin", binary.path],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("before = EVALSHA, after = FCALL")
+    rows = {" ".join(line.split()[:2]): line.split()[2:] for line in done.stdout.splitlines()[3:]}
+    assert set(rows) == {
+        f"{s} x{b}" for s in ("acquire", "release", "pair", "wall", "noop") for b in (1, 8)
+    }
+    for b in (1, 8):
+        pair, parts = rows[f"pair x{b}"], (rows[f"acquire x{b}"], rows[f"release x{b}"])
+        for i in (0, 2):  # trimmed means of before and after
+            assert float(pair[i]) == pytest.approx(sum(float(p[i]) for p in parts), abs=0.02)
 
 
 def test_script_ab_refuses_a_revision_with_the_same_scripts():

@@ -15,12 +15,9 @@ from redis_router import AsyncRedisLoadBalancer, NoServersAvailable, RedisUnavai
 from redis_router.coalesce import Coalescer
 
 from . import invariants
+from .commandstats import script_calls
 
 SERVERS = {f"s{i}": f"http://10.0.0.{i}:8000" for i in range(8)}
-
-
-def evalsha_calls(r: redis.Redis) -> int:
-    return int(r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
 
 
 def calls(r: redis.Redis, *commands: str) -> dict[str, int]:
@@ -42,7 +39,7 @@ def test_concurrent_calls_share_round_trips_and_balance_as_sequential_ones(serve
             got = await asyncio.gather(*(lb.acquire_server(f"q{i}") for i in range(64)))
             # all 64 were made before the event loop's next turn: one round trip, which reads
             # the replicas' metadata once for the batch (an HMGET), not once per replica
-            assert evalsha_calls(r) == 1 and calls(r, "hget")["hget"] == 0
+            assert script_calls(r) == 1 and calls(r, "hget")["hget"] == 0
             assert all(handle == SERVERS[sid] for sid, handle in got)
             # one after another, least-loaded fills 8 idle replicas evenly: 8 each
             assert sorted(Counter(sid for sid, _ in got).values()) == [8] * 8
@@ -51,7 +48,7 @@ def test_concurrent_calls_share_round_trips_and_balance_as_sequential_ones(serve
             done = await asyncio.gather(
                 *(lb.release_server(sid, f"q{i}") for i, (sid, _) in enumerate(got))
             )
-            assert evalsha_calls(r) == 1 and all(done)
+            assert script_calls(r) == 1 and all(done)
             # the batch remembers its 64 operation ids in one HSET and takes the leases off
             # their holder's set in one ZREM (plus one ZREM per lease off its replica's set)
             assert calls(r, "hset", "zrem") == {"hset": 1, "zrem": 1 + 64}
@@ -72,9 +69,9 @@ def test_a_coalesced_batch_routes_as_sequential_awaits_with_the_same_seed(server
             AsyncRedisLoadBalancer(SERVERS, name="bat", rng=random.Random(5), **kw) as together,
         ):
             sequential = [await one_by_one.acquire_server(rid) for rid in ids]
-            before = evalsha_calls(r)
+            before = script_calls(r)
             coalesced = await asyncio.gather(*(together.acquire_server(rid) for rid in ids))
-            assert evalsha_calls(r) - before == 1
+            assert script_calls(r) - before == 1
             assert coalesced == sequential
             assert invariants.check(r, "seq") == invariants.check(r, "bat")
 
@@ -196,11 +193,11 @@ def test_without_coalescing_each_call_is_its_own_round_trip(server, r):
             SERVERS, redis=server.url, name="nc", coalesce=False
         ) as lb:
             await warm(lb)
-            before = evalsha_calls(r)
+            before = script_calls(r)
             got = await asyncio.gather(*(lb.acquire_server(f"q{i}") for i in range(10)))
-            assert evalsha_calls(r) - before == 10
+            assert script_calls(r) - before == 10
             await asyncio.gather(*(lb.release_server(s, f"q{i}") for i, (s, _) in enumerate(got)))
-            assert evalsha_calls(r) - before == 20
+            assert script_calls(r) - before == 20
 
     asyncio.run(main())
 

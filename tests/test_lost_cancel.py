@@ -37,13 +37,14 @@ def _hold_send_until_cancelled(
 ) -> list[asyncio.Task[Any]]:
     """The next send of ``script`` completes only once ``sender()`` (the task sending it, read
     when the send starts) has been asked to cancel. Returns a list that gets that task."""
-    real, sha = AbstractConnection._send_packed_command, load(script).sha.encode()
+    real, sent = AbstractConnection._send_packed_command, load(script)
+    names = (sent.sha.encode(), sent.function.encode())  # by EVALSHA, or by FCALL
     held: list[asyncio.Task[Any]] = []
 
     async def send(self: AbstractConnection, command: Any) -> None:
         await real(self, command)
         task = sender()
-        if held or task is None or sha not in b"".join(command):
+        if held or task is None or not any(n in b"".join(command) for n in names):
             return
         held.append(task)
         while not task.cancelling():

@@ -15,6 +15,7 @@ import pytest
 from redis_router import AsyncRedisLoadBalancer, RouterClient, get_router_handle
 
 from . import invariants
+from .commandstats import script_calls
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 SERVERS = {f"s{i}": f"http://10.0.0.{i}" for i in range(4)}
@@ -47,10 +48,6 @@ def plugin(tmp_path: Path) -> Iterator[Path]:
         del sys.modules[name]
 
 
-def _evalsha_calls(r: Any) -> int:
-    return int(r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
-
-
 def test_a_plugin_written_from_the_readme_is_used_by_every_sync_path(plugin, server, r):
     lb = get_router_handle(SERVERS, plugin, redis=server.url, name="readme")
     assert lb.policy.name == "preferred" and lb.require_acquire_fields() == ["prefer"]
@@ -77,11 +74,11 @@ def test_a_plugin_written_from_the_readme_is_used_by_coalesced_asyncio_calls(plu
         alb = AsyncRedisLoadBalancer(redis=server.url, name="readme-aio", policy=lb.policy)
         await (await alb.acquire("warm", prefer="s0")).release()  # scripts loaded
         wanted = [f"s{i % 4}" for i in range(24)]
-        calls = _evalsha_calls(r)
+        calls = script_calls(r)
         got: list[Any] = await asyncio.gather(
             *(alb.acquire_server(f"q{i}", prefer=w) for i, w in enumerate(wanted))
         )
-        assert _evalsha_calls(r) - calls == 1  # one loop turn: one coalesced script call
+        assert script_calls(r) - calls == 1  # one loop turn: one coalesced script call
         assert [sid for sid, _ in got] == wanted
         lease = await alb.acquire("z", prefer="s1")
         assert lease.server_id == "s1" and await lease.release()

@@ -19,6 +19,7 @@ from redis_router.core import Call
 from redis_router.scripts import load
 
 from . import invariants
+from .commandstats import script_calls
 
 # Keeps the server busy inside one script: every other client waits, as behind a slow command.
 BUSY = "local n = 0 for i = 1, tonumber(ARGV[1]) do n = n + i end return 1"
@@ -105,10 +106,10 @@ def _lb(client: redis.Redis, name: str) -> RedisLoadBalancer:
 def _resent(
     r: redis.Redis, action: Callable[[], Any], stall: Callable[[], threading.Thread]
 ) -> Any:
-    before = r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    before = script_calls(r)
     stall().join(timeout=0)
     result = action()
-    sent = r.info("commandstats")["cmdstat_evalsha"]["calls"] - before
+    sent = script_calls(r) - before
     assert sent >= 2, f"the command was not resent ({sent} copies ran): the stall is too short"
     return result
 

@@ -15,6 +15,7 @@ from .. import health, validation
 from ..connection import connect, redact, resolve_url, send_failure, unavailable_message
 from ..core import OPTION_DEFAULTS, BalancerCore, Call, Op, T, build_core
 from ..errors import RedisUnavailable
+from ..invoke import Sender
 from ..policy import LeastLoaded
 
 
@@ -81,6 +82,7 @@ class Balancer:
 
     def __init__(self, client: Any, name: str, url: str) -> None:
         self.client, self.name, self.url = client, validation.name(name), redact(url)
+        self._scripts = Sender(client)
         self._cores: dict[float | None, BalancerCore] = {}
 
     def pinned_sticky_ttl(self) -> float | None:
@@ -122,13 +124,8 @@ class Balancer:
             return result
 
     def _send(self, core: BalancerCore, call: Call) -> Any:
-        client, script = self.client, call.script
         try:
-            try:
-                return client.evalsha(script.sha, 1, core.prefix, *call.args)
-            except rx.NoScriptError:
-                client.script_load(script.source)
-                return client.evalsha(script.sha, 1, core.prefix, *call.args)
+            return self._scripts.send(call.script, core.prefix, call.args)
         except (rx.ConnectionError, rx.TimeoutError, rx.ResponseError) as exc:
             error = send_failure(exc, self.url, core.script_error, True)
             raise error or exc from None

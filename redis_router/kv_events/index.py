@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 from redis import exceptions as rx
 
 from .. import validation
+from ..invoke import ATTEMPTS, Sender
 from ..scripts import Script, load_file
 from .hashing import pack_tokens
 
@@ -138,14 +139,10 @@ class KVIndex:
         if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < 1:
             raise ValueError(f"max_blocks must be an int >= 1, got {max_blocks!r}")
         self.max_blocks = max_blocks
+        self._scripts = Sender(client)  # FCALL or EVALSHA, probed on the first call
 
     def _call(self, name: str, args: Sequence[Any]) -> Any:
-        script = _script(name)
-        try:
-            return self.client.evalsha(script.sha, 1, self.prefix, *args)
-        except rx.NoScriptError:
-            self.client.script_load(script.source)
-            return self.client.evalsha(script.sha, 1, self.prefix, *args)
+        return self._scripts.send(_script(name), self.prefix, tuple(args))
 
     def _apply_args(
         self,
@@ -193,10 +190,12 @@ class KVIndex:
             return []
         argss = [self._apply_args(*b, gap_ok=False) for b in batches]
         script = _script("kv_index_apply")
-        for _ in range(2):
+        for attempt in range(ATTEMPTS):
+            # the last attempt sends the source (EVAL), which no SCRIPT FLUSH can race
+            head = ("EVAL", script.source) if attempt == ATTEMPTS - 1 else ("EVALSHA", script.sha)
             pipe = self.client.pipeline(transaction=False)
             for args in argss:
-                pipe.execute_command("EVALSHA", script.sha, 1, self.prefix, *args)
+                pipe.execute_command(*head, 1, self.prefix, *args)
             replies = pipe.execute(raise_on_error=False)
             if not any(isinstance(r, rx.NoScriptError) for r in replies):
                 break
