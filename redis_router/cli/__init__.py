@@ -45,13 +45,15 @@ COMMANDS: dict[str, Command] = {
     "bump-weight-version": Command(
         "redis_router.cli.locality:bump", "drop every cache-locality record after new weights"
     ),
-    "demo": Command("redis_router.demo", "run simulated agent sessions, old vs new tie-break"),
+    "demo": Command(
+        "redis_router.tools.demo", "run simulated agent sessions, old vs new tie-break"
+    ),
     "exporter": Command("redis_router.cli.exporter", "serve Prometheus metrics over HTTP"),
     "kv-events": Command(
         "redis_router.cli.kv_events", "keep the exact KV-block index from the replicas' events"
     ),
     "simulate": Command(
-        "redis_router.simulate", "compare routers on simulated replicas with KV caches"
+        "redis_router.tools.simulate", "compare routers on simulated replicas with KV caches"
     ),
 }
 

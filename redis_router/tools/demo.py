@@ -26,9 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .balancer import RedisLoadBalancer
-from .cli.common import CliError
-from .local_server import given_or_private_redis
+from ..balancer import RedisLoadBalancer
+from ..cli.common import CliError
+from ..local_server import given_or_private_redis
 
 MODES = {"random": "random tie-break (new)", "first": "first candidate (old)"}
 # How long to wait for spawned workers to import the library and connect.
