@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -18,7 +19,7 @@ from redis import exceptions as rx
 
 from ..connection import DEFAULT_URL, redact
 from ..errors import RedisRouterError, RedisUnavailable
-from .common import CliError, one_line, unreachable, url_of
+from .common import CliError, Terminated, one_line, stop_on_sigterm, unreachable, url_of
 
 
 class Command(NamedTuple):
@@ -132,9 +133,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     url = url_of(args)
     secret = _password(url)
     try:
-        return int(args._run(args) or 0)
+        with stop_on_sigterm():  # long-running commands stop on SIGTERM as on Ctrl-C
+            return int(args._run(args) or 0)
+    except Terminated:  # a one-shot command stopped midway
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
-        return 130
+        return 128 + signal.SIGINT
     except CliError as exc:
         return _fail(str(exc), secret)
     except RedisUnavailable as exc:  # its message already names the (redacted) URL
