@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -170,3 +171,24 @@ def test_server_bin_may_be_a_link_whose_target_runs_as_named(tmp_path, monkeypat
     finally:
         monkeypatch.undo()  # _binary set the variable itself
         find_server_binaries(refresh=True)  # forget the temporary path
+
+
+def test_without_the_kv_events_extra_the_kv_lag_rows_are_skipped_with_a_reason(tmp_path):
+    """A [servers,plot] install has no msgspec: ``python -m benchmarks`` still runs."""
+    shadow = tmp_path / "shadow" / "msgspec"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('not installed', name='msgspec')\n")
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--only", "kv_lag", "--json", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path / 'shadow'}{os.pathsep}{ROOT}"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    skipped = json.loads(out.read_text())["skipped"]
+    kv_rows = [rid for rid in ROW_IDS if rid.startswith("kv_")]
+    assert kv_rows and all("msgspec" in skipped[rid] for rid in kv_rows), skipped
+    assert "[kv-events]" in skipped[kv_rows[0]]
