@@ -9,6 +9,7 @@ from .errors import (
     NoServersAvailable,
     RedisRouterError,
     RedisUnavailable,
+    ReplicaEjected,
     RouterConfigError,
 )
 from .loader import get_router_handle
@@ -26,6 +27,7 @@ __all__ = [
     "RedisLoadBalancer",
     "RedisRouterError",
     "RedisUnavailable",
+    "ReplicaEjected",
     "RequestLoadBalancer",
     "RouterClient",
     "RouterConfigError",

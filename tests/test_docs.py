@@ -99,6 +99,9 @@ def test_every_cli_subcommand_is_in_the_operators_guide():
     assert set(sub.choices) == set(cli.COMMANDS)
     missing = [name for name in sub.choices if f"| `{name}" not in OPERATORS]
     assert missing == [], f"docs/operators.md's command table lacks {missing}"
+    operating = README[README.index("## Operating it") : README.index("## Plugins and verl")]
+    missing = [name for name in sub.choices if f"`{name}" not in operating]
+    assert missing == [], f"the README's command list lacks {missing}"
 
 
 def test_every_exported_metric_is_in_the_operators_guide(server):
@@ -121,3 +124,73 @@ def test_every_exported_metric_is_in_the_operators_guide(server):
     assert len(names) >= 20
     missing = sorted(n for n in names if f"`{n}`" not in OPERATORS)
     assert missing == [], f"docs/operators.md's metrics table lacks {missing}"
+
+
+def test_every_error_the_library_raises_is_exported_and_documented():
+    """A user catches what the docs name with ``from redis_router import ...``."""
+    import redis_router
+    from redis_router import errors
+
+    raised = {
+        name
+        for name, obj in vars(errors).items()
+        if isinstance(obj, type)
+        and issubclass(obj, Exception)
+        and obj.__module__ == errors.__name__
+    }
+    assert "ReplicaEjected" in raised
+    assert raised <= set(redis_router.__all__), raised - set(redis_router.__all__)
+    docs = README + "".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
+    assert [name for name in sorted(raised) if f"`{name}`" not in docs] == []
+
+
+def _sketch_params(args: str) -> list[str]:
+    """``a, b=None, *, c=1, **kw`` -> ["a", "b", "*", "c", "**kw"] (top-level commas only)."""
+    out, depth, part = [], 0, ""
+    for ch in args + ",":
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            out.append(part.strip().split("=")[0].strip())
+            part = ""
+        else:
+            part += ch
+    return [p for p in out if p]
+
+
+def test_the_readme_api_sketch_has_the_real_signatures():
+    """Names, order and the keyword-only marker of every parameter the sketch spells out."""
+    import inspect
+
+    sketch = README[README.index("## API") : README.index("## Key schema")]
+    sketch = sketch[
+        sketch.index("```python") : sketch.index("```\n", sketch.index("```python") + 9)
+    ]
+    calls = re.findall(r"(?:lb\.|lb = )(\w+)\(((?:[^()]|\([^()]*\))*)\)", sketch, flags=re.S)
+    checked = 0
+    for method, args in calls:
+        target = RedisLoadBalancer.__init__ if method == "RedisLoadBalancer" else None
+        target = target or getattr(RedisLoadBalancer, method)
+        params = _sketch_params(" ".join(args.split()))
+        if not all(p == "*" or p.lstrip("*").isidentifier() for p in params):
+            continue  # placeholders such as {id: value}: not a parameter list
+        real = []
+        for p in list(inspect.signature(target).parameters.values())[1:]:
+            if p.kind is p.KEYWORD_ONLY and "*" not in real:
+                real.append("*")
+            real.append({p.VAR_KEYWORD: "**", p.VAR_POSITIONAL: "*"}.get(p.kind, "") + p.name)
+        assert params == real, method
+        checked += 1
+    assert checked >= 8
+
+
+def test_help_says_what_each_command_does_without_a_url(capsys):
+    """demo and simulate start a private server when given no URL; the rest use localhost."""
+    for name in cli.COMMANDS:
+        parser = cli.build_parser([name])
+        with pytest.raises(SystemExit):
+            parser.parse_args([name, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        private = name in ("demo", "simulate")
+        assert ("else a private server started for the run" in text) is private, name
+        assert ("else redis://localhost:6379/0" in text) is not private, name

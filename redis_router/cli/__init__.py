@@ -25,6 +25,7 @@ from .common import CliError, Terminated, one_line, stop_on_sigterm, unreachable
 class Command(NamedTuple):
     target: str  # "module" or "module:name"
     help: str
+    without_redis: str | None = None  # what the command does when given no URL, if not localhost
 
     def load(self) -> Any:
         """The module (or its named object) with add_arguments and run."""
@@ -32,6 +33,8 @@ class Command(NamedTuple):
         loaded = importlib.import_module(module)
         return getattr(loaded, name) if name else loaded
 
+
+PRIVATE_SERVER = "a private server started for the run and removed afterwards"
 
 # Adding a subcommand is one entry here plus its code. status and exporter only read.
 COMMANDS: dict[str, Command] = {
@@ -47,27 +50,33 @@ COMMANDS: dict[str, Command] = {
         "redis_router.cli.locality:bump", "drop every cache-locality record after new weights"
     ),
     "demo": Command(
-        "redis_router.tools.demo", "run simulated agent sessions, old vs new tie-break"
+        "redis_router.tools.demo",
+        "run simulated agent sessions, old vs new tie-break",
+        without_redis=PRIVATE_SERVER,
     ),
     "exporter": Command("redis_router.cli.exporter", "serve Prometheus metrics over HTTP"),
     "kv-events": Command(
         "redis_router.cli.kv_events", "keep the exact KV-block index from the replicas' events"
     ),
     "simulate": Command(
-        "redis_router.tools.simulate", "compare routers on simulated replicas with KV caches"
+        "redis_router.tools.simulate",
+        "compare routers on simulated replicas with KV caches",
+        without_redis=PRIVATE_SERVER,
     ),
 }
 
 
-def _add_globals(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
+def _add_globals(
+    parser: argparse.ArgumentParser, *, suppress: bool, without_redis: str | None = None
+) -> None:
     """--redis and --name, accepted before or after the subcommand (after wins)."""
     default = argparse.SUPPRESS if suppress else None
     parser.add_argument(
         "--redis",
         metavar="URL",
         default=default,
-        help=f"Redis URL (default: $REDIS_URL, else {DEFAULT_URL}); redis://, rediss://, "
-        "unix://, redis+sentinel://, redis+cluster://",
+        help=f"Redis URL (default: $REDIS_URL, else {without_redis or DEFAULT_URL}); redis://, "
+        "rediss://, unix://, redis+sentinel://, redis+cluster://",
     )
     parser.add_argument(
         "--name",
@@ -101,7 +110,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     chosen = _chosen_command(argv)
     for name, cmd in COMMANDS.items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.help[0].upper() + cmd.help[1:])
-        _add_globals(p, suppress=True)
+        _add_globals(p, suppress=True, without_redis=cmd.without_redis)
         if name == chosen:
             handlers = cmd.load()
             handlers.add_arguments(p)
