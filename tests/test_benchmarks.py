@@ -85,6 +85,18 @@ def test_report_names_the_server_and_the_sizes(report):
     assert report["sizes"]["sessions"] > 0
 
 
+def worktree_paths() -> list[str]:
+    """The repository's worktrees by path (their HEADs move as other checkouts commit)."""
+    listed = subprocess.run(
+        ["git", "worktree", "list", "--porcelain"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [line.split(" ", 1)[1] for line in listed.splitlines() if line.startswith("worktree ")]
+
+
 def test_ab_measures_both_trees_and_prints_every_measure():
     """``python -m benchmarks.ab`` against this checkout's own HEAD: both trees run and every
     measure gets a finite before, after and ratio."""
@@ -94,7 +106,7 @@ def test_ab_measures_both_trees_and_prints_every_measure():
             ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout
 
-    worktrees = git("worktree", "list")
+    worktrees = worktree_paths()
     sizes = ["--rounds", "1", "--seconds", "0.5", "--pairs", "50"]
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.ab", git("rev-parse", "HEAD").strip(), *sizes],
@@ -109,7 +121,7 @@ def test_ab_measures_both_trees_and_prints_every_measure():
     for measure in (*measures, "tp_solo_per_s"):
         ratio = lines[measure][-1]
         assert ratio.endswith("x") and math.isfinite(float(ratio[:-1])) and float(ratio[:-1]) > 0
-    assert git("worktree", "list") == worktrees  # the temporary one is removed
+    assert worktree_paths() == worktrees  # the temporary one is removed
 
 
 def test_script_ab_times_both_versions_call_by_call():
@@ -122,7 +134,7 @@ def test_script_ab_times_both_versions_call_by_call():
             ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout
 
-    worktrees = git("worktree", "list")
+    worktrees = worktree_paths()
     grouped = git("log", "--format=%H", "-1", "--grep", "commuting writes grouped").strip()
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.script_ab", grouped + "~1", "--calls", "30"],
@@ -136,7 +148,7 @@ def test_script_ab_times_both_versions_call_by_call():
     assert set(rows) == {f"{s} x{b}" for s in ("acquire", "release") for b in (1, 8)}
     for values in rows.values():
         assert len(values) == 6 and all(math.isfinite(float(v)) and float(v) > 0 for v in values)
-    assert git("worktree", "list") == worktrees  # the temporary one is removed
+    assert worktree_paths() == worktrees  # the temporary one is removed
 
 
 def test_script_ab_refuses_a_revision_with_the_same_scripts():
