@@ -117,7 +117,12 @@ def table(rows: list[Row]) -> str:
     for r in rows:
         base = f"{r.baseline}: {fmt_value(r.baseline_value, r.unit)}" if r.baseline else ""
         ratio = f"{r.ratio:.2f}x" if r.ratio is not None else ""
-        target = f"{r.target[0]} {r.target[1]:g}" if r.target else ""
+        target = ""
+        if r.target:  # a bound on the ratio, else on the value itself, in the value's unit
+            op, bound = r.target
+            target = (
+                f"{op} {bound:g}" if r.ratio is not None else f"{op} {fmt_value(bound, r.unit)}"
+            )
         verdict = {True: "PASS", False: "FAIL", None: ""}[r.passed]
         lines.append((r.what, fmt_value(r.value, r.unit), base, ratio, target, verdict))
         if r.note:

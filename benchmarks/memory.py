@@ -140,7 +140,7 @@ def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
         ),
         Row(
             "memory_release_record",
-            "    remembered release, per release (kept 30 s for resends)",
+            "    remembered release, per release (kept 30-60 s for resends)",
             per_release,
             "B",
         ),

@@ -10,6 +10,7 @@ from .errors import (
     RedisOutOfMemory,
     RedisRouterError,
     RedisUnavailable,
+    ReplicaEjected,
     RouterConfigError,
 )
 from .loader import get_router_handle
@@ -28,6 +29,7 @@ __all__ = [
     "RedisOutOfMemory",
     "RedisRouterError",
     "RedisUnavailable",
+    "ReplicaEjected",
     "RequestLoadBalancer",
     "RouterClient",
     "RouterConfigError",

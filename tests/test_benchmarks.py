@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -84,6 +85,18 @@ def test_report_names_the_server_and_the_sizes(report):
     assert report["sizes"]["sessions"] > 0
 
 
+def worktree_paths() -> list[str]:
+    """The repository's worktrees by path (their HEADs move as other checkouts commit)."""
+    listed = subprocess.run(
+        ["git", "worktree", "list", "--porcelain"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [line.split(" ", 1)[1] for line in listed.splitlines() if line.startswith("worktree ")]
+
+
 def test_ab_measures_both_trees_and_prints_every_measure():
     """``python -m benchmarks.ab`` against this checkout's own HEAD: both trees run and every
     measure gets a finite before, after and ratio."""
@@ -93,7 +106,7 @@ def test_ab_measures_both_trees_and_prints_every_measure():
             ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout
 
-    worktrees = git("worktree", "list")
+    worktrees = worktree_paths()
     sizes = ["--rounds", "1", "--seconds", "0.5", "--pairs", "50"]
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.ab", git("rev-parse", "HEAD").strip(), *sizes],
@@ -108,7 +121,7 @@ def test_ab_measures_both_trees_and_prints_every_measure():
     for measure in (*measures, "tp_solo_per_s"):
         ratio = lines[measure][-1]
         assert ratio.endswith("x") and math.isfinite(float(ratio[:-1])) and float(ratio[:-1]) > 0
-    assert git("worktree", "list") == worktrees  # the temporary one is removed
+    assert worktree_paths() == worktrees  # the temporary one is removed
 
 
 def test_script_ab_times_both_versions_call_by_call():
@@ -121,7 +134,7 @@ def test_script_ab_times_both_versions_call_by_call():
             ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout
 
-    worktrees = git("worktree", "list")
+    worktrees = worktree_paths()
     grouped = git("log", "--format=%H", "-1", "--grep", "commuting writes grouped").strip()
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.script_ab", grouped + "~1", "--calls", "30"],
@@ -137,7 +150,7 @@ def test_script_ab_times_both_versions_call_by_call():
     }
     for values in rows.values():
         assert len(values) == 6 and all(math.isfinite(float(v)) and float(v) > 0 for v in values)
-    assert git("worktree", "list") == worktrees  # the temporary one is removed
+    assert worktree_paths() == worktrees  # the temporary one is removed
 
 
 def test_script_ab_paths_times_evalsha_against_fcall():
@@ -194,3 +207,24 @@ def test_server_bin_may_be_a_link_whose_target_runs_as_named(tmp_path, monkeypat
     finally:
         monkeypatch.undo()  # _binary set the variable itself
         find_server_binaries(refresh=True)  # forget the temporary path
+
+
+def test_without_the_kv_events_extra_the_kv_lag_rows_are_skipped_with_a_reason(tmp_path):
+    """A [servers,plot] install has no msgspec: ``python -m benchmarks`` still runs."""
+    shadow = tmp_path / "shadow" / "msgspec"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('not installed', name='msgspec')\n")
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--only", "kv_lag", "--json", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path / 'shadow'}{os.pathsep}{ROOT}"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    skipped = json.loads(out.read_text())["skipped"]
+    kv_rows = [rid for rid in ROW_IDS if rid.startswith("kv_")]
+    assert kv_rows and all("msgspec" in skipped[rid] for rid in kv_rows), skipped
+    assert "[kv-events]" in skipped[kv_rows[0]]

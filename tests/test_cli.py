@@ -55,6 +55,25 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> s
     return lines[0]
 
 
+def sigint_as_in_a_shell() -> None:
+    """For a child's preexec_fn: SIGINT's default disposition, which a background job's children
+    would otherwise inherit as ignored (then Python installs no KeyboardInterrupt handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def popen_cli(*args: str) -> subprocess.Popen[str]:
+    """A long-running `python -m redis_router.cli ARGS`, stoppable with SIGINT or SIGTERM however
+    pytest itself was started."""
+    return subprocess.Popen(
+        [*CLI, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env_without_redis_url(),
+        preexec_fn=sigint_as_in_a_shell,
+    )
+
+
 def watchdog(proc: subprocess.Popen, seconds: float = 60) -> threading.Timer:
     """Kill a long-running subprocess if the test hangs reading it."""
     timer = threading.Timer(seconds, proc.kill)
@@ -147,15 +166,9 @@ def keyspace(r) -> dict[str, Any]:
 
 def run_read_only(args: list[str], url: str, name: str) -> None:
     """Run a read-only command to the point where it has read the balancer at least twice."""
-    head = [*CLI, "--redis", url, "--name", name]
+    head = ["--redis", url, "--name", name]
     if args[0] == "exporter":
-        proc = subprocess.Popen(
-            [*head, "exporter", "--port", "0", "--addr", "127.0.0.1"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env_without_redis_url(),
-        )
+        proc = popen_cli(*head, "exporter", "--port", "0", "--addr", "127.0.0.1")
         timer = watchdog(proc)
         try:
             assert proc.stdout is not None
@@ -165,17 +178,11 @@ def run_read_only(args: list[str], url: str, name: str) -> None:
                 with urllib.request.urlopen(metrics.group(1), timeout=10) as resp:
                     assert b"redis_router_up" in resp.read()
         finally:
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGTERM)
             proc.communicate(timeout=30)
             timer.cancel()
     elif "--watch" in args:
-        proc = subprocess.Popen(
-            [*head, *args, "--interval", "0.05"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env_without_redis_url(),
-        )
+        proc = popen_cli(*head, *args, "--interval", "0.05")
         timer = watchdog(proc)
         try:
             assert proc.stdout is not None
@@ -185,7 +192,7 @@ def run_read_only(args: list[str], url: str, name: str) -> None:
                 if frames == 3:
                     break
         finally:
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGTERM)
             proc.communicate(timeout=30)
             timer.cancel()
     else:
@@ -222,14 +229,50 @@ def test_status_of_an_unknown_balancer_fails_without_creating_it(server, make_lb
     assert r.keys("rr:{ghost}*") == []
 
 
-def test_status_watch_redraws_live_until_interrupted(server, make_lb):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_health_loop_stops_cleanly_on_ctrl_c_and_on_sigterm(server, make_lb, stop):
     lb = make_lb(SERVERS)
-    proc = subprocess.Popen(
-        [*CLI, "--redis", server.url, "--name", lb.name, "status", "--watch", "--interval", "0.1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+    proc = popen_cli("--redis", server.url, "--name", lb.name, "health", "--interval", "0.05")
+    timer = watchdog(proc)
+    try:
+        assert proc.stdout is not None
+        assert "ejection is off" in proc.stdout.readline()  # it is running its loop
+        proc.send_signal(stop)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        timer.cancel()
+    assert proc.returncode == 0
+    assert "Traceback" not in err
+
+
+def test_a_one_shot_command_stopped_by_sigterm_exits_143(server):
+    """SIGTERM during a command that is not a loop: no traceback, the shell's 128 + 15."""
+    code = (
+        "import os, signal, sys, threading\n"
+        "from redis_router import cli\n"
+        "from redis_router.cli import status\n"
+        "def slow(args):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    threading.Event().wait(30)\n"
+        "status.run = slow\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "--redis", server.url, "status"],
+        capture_output=True,
         text=True,
+        timeout=60,
         env=env_without_redis_url(),
+    )
+    assert proc.returncode == 143, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_status_watch_redraws_live_until_interrupted(server, make_lb, stop):
+    lb = make_lb(SERVERS)
+    proc = popen_cli(
+        "--redis", server.url, "--name", lb.name, "status", "--watch", "--interval", "0.1"
     )
     timer = watchdog(proc)
     try:
@@ -250,7 +293,7 @@ def test_status_watch_redraws_live_until_interrupted(server, make_lb):
                 break  # a later frame shows the request acquired after the watch started
         assert len(frames) >= 3
         assert all(row.split()[3] == "0" for f in frames[:2] for row in f if row[:5] == "TOTAL")
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         _, err = proc.communicate(timeout=30)
     finally:
         timer.cancel()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -187,17 +188,48 @@ def test_a_grant_reaches_its_caller_when_a_later_retried_request_fails(server, r
     asyncio.run(main())
 
 
-def test_without_coalescing_each_call_is_its_own_round_trip(server, r):
+def script_calls_naming(r: redis.Redis, rids: list[str]) -> list[list[str]]:
+    """The request ids each script call (EVALSHA or FCALL) since the last SLOWLOG RESET carried, one list per call
+    that carried any (a keeper's heartbeat, which may come at any time, carries none)."""
+    found: list[list[str]] = []
+    for entry in r.slowlog_get(1024):
+        command = entry["command"]
+        args = (command.decode() if isinstance(command, bytes) else command).split(" ")
+        named = [rid for rid in rids if rid in args]
+        if args[0].upper() in ("EVALSHA", "FCALL", "FCALL_RO") and named:
+            found.append(named)
+    return found
+
+
+@pytest.fixture
+def every_command_logged(r: redis.Redis) -> Iterator[None]:
+    """SLOWLOG records every command (threshold 0) during the test, then the settings return."""
+    kept = r.config_get("slowlog-*")
+    r.config_set("slowlog-log-slower-than", 0)
+    r.config_set("slowlog-max-len", 1024)
+    r.slowlog_reset()
+    yield
+    for key, value in kept.items():
+        r.config_set(key, value)
+    r.slowlog_reset()
+
+
+def test_without_coalescing_each_call_is_its_own_round_trip(server, r, every_command_logged):
+    rids = [f"q{i}" for i in range(10)]
+
     async def main() -> None:
         async with AsyncRedisLoadBalancer(
             SERVERS, redis=server.url, name="nc", coalesce=False
         ) as lb:
             await warm(lb)
-            before = script_calls(r)
-            got = await asyncio.gather(*(lb.acquire_server(f"q{i}") for i in range(10)))
-            assert script_calls(r) - before == 10
-            await asyncio.gather(*(lb.release_server(s, f"q{i}") for i, (s, _) in enumerate(got)))
-            assert script_calls(r) - before == 20
+            r.slowlog_reset()
+            got = await asyncio.gather(*(lb.acquire_server(rid) for rid in rids))
+            one_each = sorted([rid] for rid in rids)
+            assert sorted(script_calls_naming(r, rids)) == one_each  # a script call each
+            r.slowlog_reset()
+            placed = zip(rids, got, strict=True)
+            await asyncio.gather(*(lb.release_server(sid, rid) for rid, (sid, _) in placed))
+            assert sorted(script_calls_naming(r, rids)) == one_each
 
     asyncio.run(main())
 

@@ -20,7 +20,7 @@ from redis_router import NoCapacity
 from redis_router.local_server import LocalServer, first_server_binary
 
 from . import invariants
-from .test_cli import CLI, env_without_redis_url, watchdog
+from .test_cli import CLI, env_without_redis_url, popen_cli, watchdog
 
 LOCAL_FREE_PORT = ["--port", "0", "--addr", "127.0.0.1"]
 SERVERS = {f"s{i}": None for i in range(3)}
@@ -35,15 +35,11 @@ class Exporter:
 
 
 @contextmanager
-def exporter(redis_url: str, name: str) -> Iterator[Exporter]:
-    """Run the exporter on a free port until the block ends, then stop it with SIGINT."""
-    proc = subprocess.Popen(
-        [*CLI, "--redis", redis_url, "--name", name, "exporter", *LOCAL_FREE_PORT],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env_without_redis_url(),
-    )
+def exporter(
+    redis_url: str, name: str, stop: signal.Signals = signal.SIGTERM
+) -> Iterator[Exporter]:
+    """Run the exporter on a free port until the block ends, then stop it with ``stop``."""
+    proc = popen_cli("--redis", redis_url, "--name", name, "exporter", *LOCAL_FREE_PORT)
     timer = watchdog(proc)
     running = Exporter(proc)
     try:
@@ -55,7 +51,7 @@ def exporter(redis_url: str, name: str) -> Iterator[Exporter]:
         yield running
     finally:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(stop)
         running.stderr = proc.communicate(timeout=30)[1]
         timer.cancel()
 
@@ -131,6 +127,15 @@ def test_scrape_shows_capacity_ejections_and_waiting(server, make_lb):
     assert running.proc.returncode == 0
 
 
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_exporter_stops_cleanly_on_ctrl_c_and_on_sigterm(server, make_lb, stop):
+    lb = make_lb(SERVERS)
+    with exporter(server.url, lb.name, stop=stop) as running:
+        assert scrape(running.url)[("redis_router_up", "")] == 1
+    assert running.proc.returncode == 0
+    assert "Traceback" not in running.stderr
+
+
 def test_exporter_waits_for_a_balancer_that_does_not_exist_yet(server, make_lb, r):
     with exporter(server.url, "later") as running:
         url = running.url
@@ -171,7 +176,7 @@ def test_exporter_without_prometheus_client_names_the_extra(tmp_path: Path):
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == [
         "redis-router: error: the exporter needs prometheus_client: "
-        "pip install 'redis-router[metrics]'"
+        "pip install 'llm-redis-router[metrics]'"
     ]
 
 

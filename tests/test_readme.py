@@ -30,21 +30,20 @@ def _block(first_line: str) -> str:
 
 
 @pytest.fixture
-def plugin(tmp_path: Path) -> Iterator[Path]:
-    """The README's three files, as a user's package ``readme_plugin`` on sys.path."""
-    package = tmp_path / "readme_plugin"
+def plugin(tmp_path: Path) -> Iterator[str]:
+    """The README's three files, as the user's package ``my_routers`` on sys.path; the config
+    as the README loads it, by ``pkg://``."""
+    package = tmp_path / "my_routers"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    (package / "preferred.lua").write_text(_block("-- plugins/preferred.lua"))
-    (package / "preferred.py").write_text(_block("# plugins/preferred.py"))
-    yaml = _block("# plugins/preferred.yaml")
-    assert "policy: redis_router.plugins.preferred.Preferred" in yaml
-    config = tmp_path / "preferred.yaml"
-    config.write_text(yaml.replace("redis_router.plugins.preferred", "readme_plugin.preferred"))
+    (package / "preferred.lua").write_text(_block("-- my_routers/preferred.lua"))
+    (package / "preferred.py").write_text(_block("# my_routers/preferred.py"))
+    (package / "preferred.yaml").write_text(_block("# my_routers/preferred.yaml"))
+    assert 'get_router_handle(servers, "pkg://my_routers/preferred.yaml")' in README
     sys.path.insert(0, str(tmp_path))
-    yield config
+    yield "pkg://my_routers/preferred.yaml"
     sys.path.remove(str(tmp_path))
-    for name in [m for m in sys.modules if m.startswith("readme_plugin")]:
+    for name in [m for m in sys.modules if m.startswith("my_routers")]:
         del sys.modules[name]
 
 

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from redis_router import simulate
+from redis_router.tools import simulate
 
 
 def test_grpo_groups_share_a_prompt_under_distinct_request_ids():
@@ -77,7 +77,7 @@ def test_rl_trade_reports_every_row_and_the_targets(server, capsys):
 
 
 def test_rl_trade_moves_sessions_only_with_a_margin_or_the_gate(server):
-    from redis_router import simulate_rl
+    from redis_router.tools import simulate_rl
 
     rows = {(r.workload, r.row): r for r in simulate_rl.run_all(server.url, quick=True)}
     assert rows[("agent", "sticky only")].reprefilled == 0
@@ -91,8 +91,8 @@ def test_rl_trade_moves_sessions_only_with_a_margin_or_the_gate(server):
 
 
 def test_kv_replica_reports_what_it_caches_and_evicts_as_events():
-    from redis_router import simulate_kv as kv
     from redis_router.kv_events import BlockRemoved, BlockStored
+    from redis_router.tools import simulate_kv as kv
 
     rep = kv.Replica(capacity=4)
     a = list(range(3 * kv.BLOCK))
@@ -113,7 +113,7 @@ def test_kv_replica_reports_what_it_caches_and_evicts_as_events():
 
 def test_kv_run_compares_every_router_with_1_8_and_64_clients(server, capsys):
     """Virtual time, seeded tie-breaks: structure and sanity, not the targets."""
-    from redis_router import simulate_kv as kv
+    from redis_router.tools import simulate_kv as kv
 
     assert simulate.main(["--kv", "--quick", "--redis", server.url]) == 0
     printed = capsys.readouterr().out

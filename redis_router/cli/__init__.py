@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -18,12 +19,13 @@ from redis import exceptions as rx
 
 from ..connection import DEFAULT_URL, hide_userinfo, scrub
 from ..errors import RedisRouterError, RedisUnavailable
-from .common import CliError, one_line, unreachable, url_of
+from .common import CliError, Terminated, one_line, stop_on_sigterm, unreachable, url_of
 
 
 class Command(NamedTuple):
     target: str  # "module" or "module:name"
     help: str
+    without_redis: str | None = None  # what the command does when given no URL, if not localhost
 
     def load(self) -> Any:
         """The module (or its named object) with add_arguments and run."""
@@ -31,6 +33,8 @@ class Command(NamedTuple):
         loaded = importlib.import_module(module)
         return getattr(loaded, name) if name else loaded
 
+
+PRIVATE_SERVER = "a private server started for the run and removed afterwards"
 
 # Adding a subcommand is one entry here plus its code. status and exporter only read.
 COMMANDS: dict[str, Command] = {
@@ -45,26 +49,34 @@ COMMANDS: dict[str, Command] = {
     "bump-weight-version": Command(
         "redis_router.cli.locality:bump", "drop every cache-locality record after new weights"
     ),
-    "demo": Command("redis_router.demo", "run simulated agent sessions, old vs new tie-break"),
+    "demo": Command(
+        "redis_router.tools.demo",
+        "run simulated agent sessions, old vs new tie-break",
+        without_redis=PRIVATE_SERVER,
+    ),
     "exporter": Command("redis_router.cli.exporter", "serve Prometheus metrics over HTTP"),
     "kv-events": Command(
         "redis_router.cli.kv_events", "keep the exact KV-block index from the replicas' events"
     ),
     "simulate": Command(
-        "redis_router.simulate", "compare routers on simulated replicas with KV caches"
+        "redis_router.tools.simulate",
+        "compare routers on simulated replicas with KV caches",
+        without_redis=PRIVATE_SERVER,
     ),
 }
 
 
-def _add_globals(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
+def _add_globals(
+    parser: argparse.ArgumentParser, *, suppress: bool, without_redis: str | None = None
+) -> None:
     """--redis and --name, accepted before or after the subcommand (after wins)."""
     default = argparse.SUPPRESS if suppress else None
     parser.add_argument(
         "--redis",
         metavar="URL",
         default=default,
-        help=f"Redis URL (default: $REDIS_URL, else {DEFAULT_URL}); redis://, rediss://, "
-        "unix://, redis+sentinel://, redis+cluster://",
+        help=f"Redis URL (default: $REDIS_URL, else {without_redis or DEFAULT_URL}); redis://, "
+        "rediss://, unix://, redis+sentinel://, redis+cluster://",
     )
     parser.add_argument(
         "--name",
@@ -98,7 +110,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     chosen = _chosen_command(argv)
     for name, cmd in COMMANDS.items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.help[0].upper() + cmd.help[1:])
-        _add_globals(p, suppress=True)
+        _add_globals(p, suppress=True, without_redis=cmd.without_redis)
         if name == chosen:
             handlers = cmd.load()
             handlers.add_arguments(p)
@@ -118,9 +130,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     url = url_of(args)
     try:
-        return int(args._run(args) or 0)
+        with stop_on_sigterm():  # long-running commands stop on SIGTERM as on Ctrl-C
+            return int(args._run(args) or 0)
+    except Terminated:  # a one-shot command stopped midway
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
-        return 130
+        return 128 + signal.SIGINT
     except CliError as exc:
         return _fail(str(exc), url)
     except RedisUnavailable as exc:  # its message already names the (redacted) URL

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -21,6 +23,29 @@ from ..policy import LeastLoaded
 
 class CliError(Exception):
     """A failure the user can act on: printed as one line, exit status 1."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (systemd, Kubernetes, ``kill``), raised where Ctrl-C raises KeyboardInterrupt, so a
+    long-running command stops the same clean way on either."""
+
+
+@contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """While the block runs, SIGTERM raises :class:`Terminated` in the main thread; the previous
+    handler comes back afterwards (``cli.main`` may run inside another program, such as pytest)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated
 
 
 class Handlers(NamedTuple):

@@ -38,7 +38,6 @@ and re-added, which Prometheus's rate() treats as a counter reset.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -69,7 +68,7 @@ COUNTERS = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Serve Prometheus metrics of the balancer on http://ADDR:PORT/metrics, read from Redis "
-        "on each scrape. Needs prometheus_client: pip install 'redis-router[metrics]'."
+        "on each scrape. Needs prometheus_client: pip install 'llm-redis-router[metrics]'."
     )
     parser.add_argument(
         "--port",
@@ -259,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
         from prometheus_client import CollectorRegistry, start_http_server
     except ImportError:
         raise CliError(
-            "the exporter needs prometheus_client: pip install 'redis-router[metrics]'"
+            "the exporter needs prometheus_client: pip install 'llm-redis-router[metrics]'"
         ) from None
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be between 0 and 65535, got {args.port}")
@@ -277,22 +276,21 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         collector.close()
         raise CliError(f"cannot listen on {args.addr}:{args.port}: {exc.strerror or exc}") from None
-    host = server.server_address[0]
-    host = host.decode() if isinstance(host, bytes) else str(host)
-    print(
-        f"serving metrics of balancer {collector.name!r} at {redact(url)} on "
-        f"http://{host}:{server.server_port}/metrics",
-        flush=True,
-    )
-    if not exists:
+    try:  # from the first line out, Ctrl-C or SIGTERM is a clean stop
+        host = server.server_address[0]
+        host = host.decode() if isinstance(host, bytes) else str(host)
         print(
-            f"note: balancer {collector.name!r} does not exist yet; its replicas appear once a "
-            "worker or `redis-router servers add` creates it",
-            file=sys.stderr,
+            f"serving metrics of balancer {collector.name!r} at {redact(url)} on "
+            f"http://{host}:{server.server_port}/metrics",
             flush=True,
         )
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
+        if not exists:
+            print(
+                f"note: balancer {collector.name!r} does not exist yet; its replicas appear once a "
+                "worker or `redis-router servers add` creates it",
+                file=sys.stderr,
+                flush=True,
+            )
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
@@ -302,7 +300,3 @@ def run(args: argparse.Namespace) -> int:
         server.server_close()
         thread.join(timeout=5)
         collector.close()
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt

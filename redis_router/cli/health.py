@@ -106,25 +106,28 @@ def run(args: argparse.Namespace) -> int:
     if not args.interval > 0 or not args.timeout > 0:
         raise ValueError("--interval and --timeout must be > 0 seconds")
     with open_balancer(args) as balancer:
-        pinned = balancer.client.hget(config_key(balancer.name), "ejection")
-        if not pinned:
-            print(
-                f"balancer {balancer.name!r}: ejection is off (no worker pinned eject_after): "
-                "failed probes are counted, nothing is ejected",
-                flush=True,
-            )
-        last: dict[str, str] = {}
-        while True:
-            started = time.monotonic()
-            try:
-                states = check_round(balancer, args.path, args.timeout)
-            except RedisUnavailable as exc:
-                print(f"{time.strftime('%H:%M:%S')} {exc}", flush=True)
-                states = last
-            for sid, state in sorted(states.items()):
-                if last.get(sid) != state.split(" until")[0] or args.once:
-                    print(f"{time.strftime('%H:%M:%S')} {sid}: {readable(state)}", flush=True)
-            last = {sid: state.split(" until")[0] for sid, state in states.items()}
-            if args.once:
-                return 0
-            time.sleep(max(0.0, args.interval - (time.monotonic() - started)))
+        try:
+            pinned = balancer.client.hget(config_key(balancer.name), "ejection")
+            if not pinned:
+                print(
+                    f"balancer {balancer.name!r}: ejection is off (no worker pinned eject_after): "
+                    "failed probes are counted, nothing is ejected",
+                    flush=True,
+                )
+            last: dict[str, str] = {}
+            while True:
+                started = time.monotonic()
+                try:
+                    states = check_round(balancer, args.path, args.timeout)
+                except RedisUnavailable as exc:
+                    print(f"{time.strftime('%H:%M:%S')} {exc}", flush=True)
+                    states = last
+                for sid, state in sorted(states.items()):
+                    if last.get(sid) != state.split(" until")[0] or args.once:
+                        print(f"{time.strftime('%H:%M:%S')} {sid}: {readable(state)}", flush=True)
+                last = {sid: state.split(" until")[0] for sid, state in states.items()}
+                if args.once:
+                    return 0
+                time.sleep(max(0.0, args.interval - (time.monotonic() - started)))
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: a clean stop
+            return 0

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
-from typing import Any
 
 from ..connection import redact
 from .common import CliError, open_balancer, url_of
@@ -21,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "A replica's metadata names its publisher: "
         '{"kv_events": "tcp://HOST:5557", "kv_events_replay": "tcp://HOST:5565"} (or lists, '
         "one per data-parallel rank). See docs/kv_events.md. Needs: pip install "
-        "'redis-router[kv-events]'."
+        "'llm-redis-router[kv-events]'."
     )
     parser.add_argument(
         "--stale",
@@ -53,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         from ..kv_events import KVEventSubscriber
     except ImportError:
         raise CliError(
-            "kv-events needs msgspec and pyzmq: pip install 'redis-router[kv-events]'"
+            "kv-events needs msgspec and pyzmq: pip install 'llm-redis-router[kv-events]'"
         ) from None
     for value, flag in ((args.stale, "--stale"), (args.poll, "--poll")):
         if not value > 0:
@@ -72,20 +70,15 @@ def run(args: argparse.Namespace) -> int:
             max_blocks=args.max_blocks,
         )
         sub.on_change = lambda text: print(text, flush=True)
-        print(
-            f"keeping the KV-block index of balancer {balancer.name!r} at "
-            f"{redact(url_of(args))} (Ctrl-C to stop)",
-            flush=True,
-        )
-        signal.signal(signal.SIGTERM, _interrupt)
-        try:
+        try:  # from the first line out, Ctrl-C or SIGTERM is a clean stop
+            print(
+                f"keeping the KV-block index of balancer {balancer.name!r} at "
+                f"{redact(url_of(args))} (Ctrl-C to stop)",
+                flush=True,
+            )
             sub.run()
         except KeyboardInterrupt:
             return 0
         finally:
             sub.close()
     return 0
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt

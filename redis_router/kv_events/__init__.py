@@ -57,7 +57,7 @@ def __getattr__(name: str) -> Any:
         except ImportError as exc:
             raise ImportError(
                 f"KVEventSubscriber needs the kv-events extra: pip install "
-                f"'redis-router[kv-events]' ({exc})"
+                f"'llm-redis-router[kv-events]' ({exc})"
             ) from exc
         return KVEventSubscriber
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

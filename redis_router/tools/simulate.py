@@ -54,10 +54,10 @@ from typing import Any
 
 import redis
 
-from . import scripts
-from .balancer import RedisLoadBalancer
-from .local_server import given_or_private_redis
-from .policy import RoutingPolicy
+from .. import scripts
+from ..balancer import RedisLoadBalancer
+from ..local_server import given_or_private_redis
+from ..policy import RoutingPolicy
 
 BLOCK = 16  # tokens per replica KV block (vLLM's default)
 CACHED_COST = 0.05  # work units per cached prompt token (attention over the cached KV)
@@ -69,7 +69,7 @@ BUSY = 0.75  # the pool is busy while at least this share of the sessions is in 
 SAMPLE_EVERY = 0.02  # wall seconds between balance samples
 
 ROUTERS: dict[str, str] = {
-    "random": "redis_router.simulate:RandomRouter",
+    "random": "redis_router.tools.simulate:RandomRouter",
     "least-loaded": "redis_router:RedisLoadBalancer",
     "least-tokens": "redis_router.plugins.least_tokens:LeastTokensRouter",
     "prefix-cache": "redis_router.plugins.prefix_cache:PrefixCacheRouter",
@@ -457,7 +457,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rl",
         action="store_true",
         help="instead: the locality/balance trade of RL rollouts (sticky only, a global gate, "
-        "affinity margins, groups, prefix-cache), in virtual time (redis_router.simulate_rl)",
+        "affinity margins, groups, prefix-cache), in virtual time (redis_router.tools.simulate_rl)",
     )
     parser.add_argument(
         "--repeats",
@@ -470,7 +470,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="instead: routing on the replicas' KV-cache events (least-loaded, approximate, "
         "exact, oracle) under KV pressure, with 1, 8 and 64 routing clients, in virtual time "
-        "(redis_router.simulate_kv)",
+        "(redis_router.tools.simulate_kv)",
     )
 
 

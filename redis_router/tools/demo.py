@@ -26,9 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .balancer import RedisLoadBalancer
-from .cli.common import CliError
-from .local_server import given_or_private_redis
+from ..balancer import RedisLoadBalancer
+from ..cli.common import CliError
+from ..local_server import given_or_private_redis
 
 MODES = {"random": "random tie-break (new)", "first": "first candidate (old)"}
 # How long to wait for spawned workers to import the library and connect.
@@ -454,7 +454,7 @@ def _require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise CliError("--plot needs matplotlib: pip install 'redis-router[plot]'") from None
+        raise CliError("--plot needs matplotlib: pip install 'llm-redis-router[plot]'") from None
 
 
 def plot(results: Sequence[RunResult], path: str) -> None:

@@ -60,8 +60,8 @@ from typing import Any, TextIO
 
 import redis
 
-from .balancer import RedisLoadBalancer
-from .kv_events import BlockRemoved, BlockStored, KVIndex
+from ..balancer import RedisLoadBalancer
+from ..kv_events import BlockRemoved, BlockStored, KVIndex
 
 BLOCK = 16  # tokens per engine KV block (vLLM's default)
 CAPACITY = 400.0  # work units per virtual second a replica shares among its requests
@@ -213,7 +213,7 @@ def _routers(
     seeded tie-break."""
     if router == "oracle":
         return []
-    from .plugins.prefix_cache import PrefixCacheRouter
+    from ..plugins.prefix_cache import PrefixCacheRouter
 
     out: list[Any] = []
     for k in range(clients):
@@ -496,7 +496,7 @@ def acquire_cost(url: str, *, rounds: int = 1000, tokens: int = 4096) -> dict[st
     replica exact (never seen: what exact routing costs where no stream is healthy); on, with
     every replica exact and one holding the prompt. Each with its ratio to the default. A
     figure for the report, not a test."""
-    from .plugins.prefix_cache import PrefixCacheRouter
+    from ..plugins.prefix_cache import PrefixCacheRouter
 
     tag = secrets.token_hex(3)
     rng = random.Random(5)

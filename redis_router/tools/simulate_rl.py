@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .balancer import RedisLoadBalancer
+from ..balancer import RedisLoadBalancer
 
 CAPACITY = 80.0  # work units per second a replica shares among its requests
 PER_REQUEST = 40.0  # work units per second one request can use (decode speed)
@@ -135,7 +135,7 @@ def run_row(url: str, workload: str, row: str, router: str, opts: dict[str, Any]
     gate = opts if router == "gate" else None
     kw = {} if gate else opts
     if router == "prefix-cache":
-        from .plugins.prefix_cache import PrefixCacheRouter
+        from ..plugins.prefix_cache import PrefixCacheRouter
 
         lb: RedisLoadBalancer = PrefixCacheRouter(
             servers, redis=url, name=name, rng=random.Random(seed), **kw
