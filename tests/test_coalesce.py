@@ -189,8 +189,9 @@ def test_a_grant_reaches_its_caller_when_a_later_retried_request_fails(server, r
 
 
 def script_calls_naming(r: redis.Redis, rids: list[str]) -> list[list[str]]:
-    """The request ids each script call (EVALSHA or FCALL) since the last SLOWLOG RESET carried, one list per call
-    that carried any (a keeper's heartbeat, which may come at any time, carries none)."""
+    """The request ids each script call (EVALSHA or FCALL) since the last SLOWLOG RESET
+    carried, one list per call that carried any (a keeper's heartbeat, which may come at any
+    time, carries none)."""
     found: list[list[str]] = []
     for entry in r.slowlog_get(1024):
         command = entry["command"]
