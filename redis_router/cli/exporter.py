@@ -23,7 +23,8 @@ never staler than the scrape and an idle exporter costs Redis nothing). Per repl
 
 and per balancer ``redis_router_up`` (1 if Redis answered this scrape) and
 ``redis_router_replicas`` (and, where the status reports worker processes,
-``redis_router_holders`` by ``state`` live|dead and ``redis_router_leases_awaiting_reclaim``),
+``redis_router_holders`` by ``state`` live|dead|on_probation and
+``redis_router_leases_awaiting_reclaim``),
 and for acquires that wait for a place in a full pool ``redis_router_waiting`` (now),
 ``redis_router_oldest_wait_seconds``, ``redis_router_waits_total`` by ``outcome``
 served|timed_out|abandoned, ``redis_router_wait_seconds_total`` (of the served) and
@@ -243,6 +244,8 @@ def _holders(name: str, holders: dict[str, int] | None) -> Iterator[Any]:
     )
     for state in ("live", "dead"):
         g.add_metric([name, state], holders.get(state, 0))
+    # Live ones unheard since a pause of Redis, on probation (counted in live as well).
+    g.add_metric([name, "on_probation"], holders.get("on_probation", 0))
     yield g
     waiting = GaugeMetricFamily(
         "redis_router_leases_awaiting_reclaim",

@@ -157,6 +157,13 @@ def hints(snap: dict[str, Any]) -> list[str]:
     waiting, dead = holders.get("awaiting_reclaim", 0), holders.get("dead", 0)
     if waiting > 0:
         out.append(f"{waiting} lease(s) of {dead} dead process(es) await reclaim: `{cli} reap`")
+    probation = holders.get("on_probation", 0)
+    if probation > 0:
+        left = holders.get("probation_ms", 0) / 1000
+        out.append(
+            f"{probation} process(es) unheard since a pause of Redis are on probation for "
+            f"{left:.1f}s more (dead if not heard by then)"
+        )
     return out
 
 
