@@ -56,8 +56,8 @@ class Procs:
         self.started: list[subprocess.Popen[str]] = []
         self.banners: list[str] = []  # the first line each printed
 
-    def start(self, *args: str) -> subprocess.Popen[str]:
-        env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    def start(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+        env = {**{k: v for k, v in os.environ.items() if k != "REDIS_URL"}, **(env or {})}
         proc = subprocess.Popen(
             [sys.executable, *args],
             stdout=subprocess.PIPE,
@@ -95,23 +95,12 @@ class Procs:
         self.by_id = getattr(self, "by_id", {}) | procs
         return {rid: self.url_of(p) for rid, p in procs.items()}
 
-    def fronts(self, url: str, name: str, n: int, *extra: str) -> list[str]:
+    def fronts(
+        self, url: str, name: str, n: int, *extra: str, env: dict[str, str] | None = None
+    ) -> list[str]:
         """n `redis-router serve` instances on one balancer: their base URLs."""
-        procs = [
-            self.start(
-                "-m",
-                "redis_router",
-                "--redis",
-                url,
-                "--name",
-                name,
-                "serve",
-                "--port",
-                "0",
-                *extra,
-            )
-            for _ in range(n)
-        ]
+        command = ["-m", "redis_router", "--redis", url, "--name", name, "serve", "--port", "0"]
+        procs = [self.start(*command, *extra, env=env) for _ in range(n)]
         return [self.url_of(p) for p in procs]
 
     def kill(self, replica_id: str) -> None:
@@ -453,8 +442,14 @@ def test_abort_goes_only_to_the_replica_serving_the_request(server, procs, name)
 
 def test_workers_register_drain_and_remove_replicas(server, procs, name):
     replicas = procs.replicas(2)
-    (front,) = procs.fronts(server.url, name, 1)
-    with httpx.Client(base_url=front, timeout=30) as client:
+    (front,) = procs.fronts(server.url, name, 1, env={"REDIS_ROUTER_ADMIN_TOKEN": "t0ken"})
+    refused = httpx.post(f"{front}/workers", json={"id": "r0", "url": replicas["r0"]})
+    assert refused.status_code == 401
+    assert refused.json()["error"]["type"] == "authentication_error"
+    assert httpx.delete(f"{front}/workers/r0").status_code == 401
+    assert state(server, name)["replicas"] == {}
+    admin = {"Authorization": "Bearer t0ken"}
+    with httpx.Client(base_url=front, timeout=30, headers=admin) as client:
         for rid, url in replicas.items():
             resp = client.post("/workers", json={"id": rid, "url": url, "capacity": 4})
             assert resp.status_code == 200 and resp.json()["added"] is True

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 from typing import Any
@@ -20,6 +21,9 @@ from ..connection import redact, resolve_url
 from .common import CliError
 
 DEFAULT_PORT = 8000
+# When set, registering and removing replicas over HTTP (/workers) needs this bearer token
+# (an environment variable, not a flag, so that it never shows in a process list).
+ADMIN_TOKEN_ENV = "REDIS_ROUTER_ADMIN_TOKEN"
 # Balancer options a flag may set: (flag dest, option name, type, help).
 BALANCER_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("sticky_ttl", float, "seconds a session stays pinned after its last turn (pinned)"),
@@ -43,6 +47,10 @@ BALANCER_FLAGS: tuple[tuple[str, type, str], ...] = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = (
+        f"Set ${ADMIN_TOKEN_ENV} to require 'Authorization: Bearer <token>' on POST and "
+        "DELETE /workers (otherwise anyone who reaches the port may change the pool)."
+    )
     parser.description = (
         "Serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /generate, "
         "/v1/models, /health, /metrics, /abort_request, /workers) and forward each request to "
@@ -158,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         session=SessionRule(args.session_header, args.session_field),
         connect_timeout=args.connect_timeout,
         upstream_timeout=args.upstream_timeout,
+        admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
     )
     url, name, policy, config = balancer_options(args)
     main = _serve(args, url, name, policy, config, options)

@@ -126,7 +126,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     except ValueError as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
-        raise BadRequest(f"the request body must be a JSON object, got a {_kind(body)}")
+        raise BadRequest(f"the request body must be a JSON object, got {_kind(body)}")
     return body
 
 
@@ -141,10 +141,10 @@ def route_request(
     body = parse_json(raw) if path in GENERATION_PATHS else {}
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise BadRequest(f"'stream' must be a boolean, got a {_kind(stream)}", "stream")
+        raise BadRequest(f"'stream' must be a boolean, got {_kind(stream)}", "stream")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise BadRequest(f"'model' must be a string, got a {_kind(model)}", "model")
+        raise BadRequest(f"'model' must be a string, got {_kind(model)}", "model")
     prompt = prompt_of(path, body)
     session = _session(body, headers, rule)
     client_rid = _client_rid(body, headers)
@@ -187,7 +187,7 @@ def render_chat(messages: Any) -> str:
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise BadRequest(f"messages[{i}] must be an object, got a {_kind(m)}", "messages")
+            raise BadRequest(f"messages[{i}] must be an object, got {_kind(m)}", "messages")
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str) or not role:
             raise BadRequest(f"messages[{i}].role must be a non-empty string", "messages")
@@ -197,7 +197,7 @@ def render_chat(messages: Any) -> str:
             text = "".join(_part(p) for p in content)
         else:
             raise BadRequest(
-                f"messages[{i}].content must be a string, an array of parts or null, got a "
+                f"messages[{i}].content must be a string, an array of parts or null, got "
                 f"{_kind(content)}",
                 "messages",
             )
@@ -247,10 +247,14 @@ def _part(p: Any) -> str:
     return json.dumps(p, sort_keys=True, separators=(",", ":"))
 
 
-def _prompt(value: Any, name: str, *, text: bool = True, ids: bool = True) -> list[int]:
+def _prompt(
+    value: Any, name: str, *, text: bool = True, ids: bool = True, batch: bool = True
+) -> list[int]:
     """A prompt field: a string, or token ids; in a batch (a list of them) the first one."""
-    if isinstance(value, list) and value and isinstance(value[0], (list, str)):
-        value = value[0]  # a batch: its first prompt routes it
+    if batch and isinstance(value, list) and value and isinstance(value[0], (list, str)):
+        for item in value[1:]:  # every prompt of the batch is checked; the first routes it
+            _prompt(item, name, text=text, ids=ids, batch=False)
+        value = value[0]
     if text and isinstance(value, str):
         return text_ids(value)
     if ids and isinstance(value, list) and all(_token(t) for t in value):
@@ -258,7 +262,9 @@ def _prompt(value: Any, name: str, *, text: bool = True, ids: bool = True) -> li
     allowed = "a string or a list of strings" if not ids else "token ids (a list of integers)"
     if text and ids:
         allowed = "a string, a list of strings, or token ids (a list of integers)"
-    raise BadRequest(f"'{name}' must be {allowed}, got a {_kind(value)}", name)
+    if not batch:
+        allowed = f"one kind for every prompt of the batch: {allowed}"
+    raise BadRequest(f"'{name}' must be {allowed}, got {_kind(value)}", name)
 
 
 def _token(t: Any) -> bool:
@@ -273,7 +279,7 @@ def _session(body: Mapping[str, Any], headers: Mapping[str, str], rule: SessionR
         v = body[rule.body_field]
         if not isinstance(v, str):
             raise BadRequest(
-                f"'{rule.body_field}' (the session key) must be a string, got a {_kind(v)}",
+                f"'{rule.body_field}' (the session key) must be a string, got {_kind(v)}",
                 rule.body_field,
             )
         return _id(v, f"'{rule.body_field}'", rule.body_field)
@@ -301,15 +307,15 @@ def _id(value: str, what: str, param: str) -> str:
 
 
 def _kind(value: Any) -> str:
-    """A JSON value's type, in JSON's words."""
+    """A JSON value's type, in JSON's words, with its article."""
     if value is None:
         return "null"
     if isinstance(value, bool):
-        return "boolean"
+        return "a boolean"
     if isinstance(value, (int, float)):
-        return "number"
+        return "a number"
     if isinstance(value, str):
-        return "string"
+        return "a string"
     if isinstance(value, list):
-        return "array"
-    return "object" if isinstance(value, dict) else type(value).__name__
+        return "an array"
+    return "an object" if isinstance(value, dict) else f"a {type(value).__name__}"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import time
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
@@ -74,6 +75,8 @@ class ServeOptions:
     upstream_timeout: float | None = None  # None: a generation may take as long as it takes
     models_timeout: float = 2.0
     max_body: int = MAX_BODY
+    # When set, POST and DELETE /workers need "Authorization: Bearer <token>".
+    admin_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.retries, bool) or not isinstance(self.retries, int):
@@ -401,6 +404,8 @@ class Front:
     async def add_worker(self, request: web.Request) -> web.Response:
         """Register a replica (``redis-router servers add``): body {"id", "url", "capacity"?}."""
         path = request.path
+        if not self._admitted(request):
+            return self._refused(path)
         try:
             body = parse_json(await request.read())
             sid, url, capacity = _worker(body)
@@ -421,6 +426,8 @@ class Front:
     async def remove_worker(self, request: web.Request) -> web.Response:
         """Remove a replica now, or with ``?drain=1`` drain it (``redis-router servers``)."""
         path, sid = request.path, request.match_info["id"]
+        if not self._admitted(request):
+            return self._refused(path)
         drain = request.query.get("drain", "0").lower() in ("1", "true", "yes")
         try:
             if sid not in await self.balancer.get_all_servers():
@@ -435,6 +442,21 @@ class Front:
             return self._unavailable(path, exc)
         self._count("/workers", 200)
         return web.json_response({"id": sid, "draining" if drain else "removed": True})
+
+    def _admitted(self, request: web.Request) -> bool:
+        token = self.options.admin_token
+        if token is None:
+            return True
+        given = request.headers.get("Authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+
+    def _refused(self, path: str) -> web.Response:
+        return self.error(
+            path,
+            401,
+            "changing the pool needs the admin token: Authorization: Bearer <token>",
+            "authentication_error",
+        )
 
     async def not_found(self, request: web.Request) -> web.Response:
         return self.error(
