@@ -536,3 +536,34 @@ def test_serve_refuses_settings_that_disagree_with_the_pinned_ones(server, procs
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and out == ""
     assert "sticky_ttl=120s" in err and "60s" in err
+
+
+def test_a_replica_that_dies_mid_stream_cuts_the_answer_short_and_is_reported(server, procs, name):
+    replicas = procs.replicas(1)
+    register(server, name, replicas)
+    (front,) = procs.fronts(server.url, name, 1)
+    body = {"model": "m", "messages": CHAT, "stream": True, "max_tokens": 500}
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream(
+            "POST", f"{front}/v1/chat/completions", json=body, headers={"X-Fake-Delay": "0.05"}
+        ) as resp,
+    ):
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")
+        procs.kill("r0")
+        with pytest.raises(httpx.RemoteProtocolError):  # not a clean end: the client can tell
+            for _ in lines:
+                pass
+    until(lambda: state(server, name)["replicas"]["r0"]["failures"] == 1, "the failure report")
+    assert inflight(server, name) == {"r0": 0}
+
+
+def test_serve_never_shows_the_redis_password(procs):
+    proc = procs.start(
+        "-m", "redis_router", "--redis", "redis://:hunter2@127.0.0.1:1/0", "serve", "--port", "0"
+    )
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and out == ""
+    assert "hunter2" not in err and "127.0.0.1:1" in err
+    assert len(err.strip().splitlines()) == 1, err
