@@ -567,3 +567,51 @@ def test_serve_never_shows_the_redis_password(procs):
     assert proc.returncode == 1 and out == ""
     assert "hunter2" not in err and "127.0.0.1:1" in err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_settings_pinned_after_serve_started_are_a_500_naming_them(server, procs, name, make_lb):
+    replicas = procs.replicas(1)
+    register(server, name, replicas)
+    (front,) = procs.fronts(server.url, name, 1)  # nothing pinned yet: it starts
+    lb = make_lb(name=name, sticky_ttl=60)
+    lb.release_server(lb.acquire_server("pin")[0], "pin")  # a worker pins sticky_ttl=60
+    resp = httpx.post(f"{front}/v1/completions", json={"prompt": "x"}, timeout=30)
+    assert resp.status_code == 500
+    error = resp.json()["error"]
+    assert error["type"] == "config_mismatch" and "sticky_ttl" in error["message"]
+    assert stats(replicas["r0"])["served"] == {}
+
+
+def test_a_client_that_gives_up_on_a_slow_answer_frees_its_lease(server, procs, name):
+    replicas = procs.replicas(1)
+    register(server, name, replicas)
+    (front,) = procs.fronts(server.url, name, 1)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{front}/v1/completions",
+            json={"prompt": "x", "max_tokens": 100},
+            headers={"X-Fake-Delay": "0.1"},  # 10 s of generation
+            timeout=httpx.Timeout(30, read=0.5),
+        )
+    until(lambda: inflight(server, name) == {"r0": 0}, "the lease to be released")
+    until(lambda: stats(replicas["r0"])["inflight"] == 0, "the upstream request to be closed")
+
+
+def test_an_upstream_timeout_is_a_504_reported_and_not_retried(server, procs, name):
+    replicas = procs.replicas(2)
+    register(server, name, replicas)
+    (front,) = procs.fronts(server.url, name, 1, "--upstream-timeout", "0.5")
+    resp = httpx.post(
+        f"{front}/v1/completions",
+        json={"prompt": "x", "max_tokens": 100},
+        headers={"X-Fake-Delay": "0.1"},  # 10 s of generation
+        timeout=30,
+    )
+    assert resp.status_code == 504 and resp.json()["error"]["type"] == "upstream_timeout"
+    assert sum(stats(u)["served"].get("/v1/completions", 0) for u in replicas.values()) == 1
+    until(
+        lambda: sum(r["failures"] for r in state(server, name)["replicas"].values()) == 1,
+        "the failure report",
+    )
+    assert sum(inflight(server, name).values()) == 0
+    assert metric(front, "redis_router_http_retries_total") == 0

@@ -9,9 +9,10 @@ after the response's last byte, in the background, and at once when the client g
 Failure rules: an upstream connection error (or a broken answer) before any byte reached the
 client reports a failure (``release(failed=True)``: passive ejection) and retries under a new
 request id (``<id>~r<k>``), acquired while the failed lease is still held, so least-loaded
-prefers the other replicas; an upstream 5xx is passed through and reported as a failure; a
-full pool waits as the balancer's ``wait_timeout`` (or ``--wait``) says, then is a 503 with
-``Retry-After``; an empty pool is a 503; a malformed request is a 400 and takes no lease.
+prefers the other replicas; ``--upstream-timeout`` running out is reported too, and answered
+504, not retried; an upstream 5xx is passed through and reported as a failure; a full pool
+waits as the balancer's ``wait_timeout`` says, then is a 503 with ``Retry-After``; an empty
+pool is a 503; a malformed request is a 400 and takes no lease.
 """
 
 from __future__ import annotations
@@ -29,7 +30,13 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from ..aio import AsyncLease, AsyncRedisLoadBalancer
-from ..errors import NoCapacity, NoServersAvailable, RedisUnavailable, ReplicaEjected
+from ..errors import (
+    ConfigMismatch,
+    NoCapacity,
+    NoServersAvailable,
+    RedisUnavailable,
+    ReplicaEjected,
+)
 from .routing import (
     GENERATION_PATHS,
     REQUEST_ID_HEADER,
@@ -62,6 +69,9 @@ HOP_HEADERS = frozenset(
 )
 REPLICA_HEADER = "X-Replica-ID"
 MAX_BODY = 64 * 1024 * 1024
+# Seconds an idle upstream connection is kept: below uvicorn's 5 s keep-alive (vLLM, SGLang),
+# so the front rarely sends on a connection the replica is closing.
+KEEPALIVE_TIMEOUT = 4.0
 
 
 @dataclass(frozen=True)
@@ -125,7 +135,9 @@ class Front:
             total=o.upstream_timeout, sock_connect=o.connect_timeout, connect=o.connect_timeout
         )
         # No pool limit (the balancer bounds each replica), raw bytes passed through as sent.
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_TIMEOUT
+        )
         self._client = aiohttp.ClientSession(
             connector=connector, timeout=timeout, auto_decompress=False
         )
@@ -197,6 +209,8 @@ class Front:
                     lease = await self.balancer.acquire(rid, wait=self.options.wait, **fields)
                 except (NoServersAvailable, RedisUnavailable) as exc:
                     return self._unavailable(path, exc)
+                except ConfigMismatch as exc:  # settings pinned anew since this one started
+                    return self.error(path, 500, str(exc), "config_mismatch")
                 except (TypeError, ValueError) as exc:  # the policy refused a field's value
                     return self.error(path, 400, str(exc), "invalid_request_error")
                 if failed is not None:  # reported once the retry holds its replica
@@ -211,14 +225,26 @@ class Front:
                 started = time.perf_counter()
                 upstream: aiohttp.ClientResponse | None = None
                 try:
-                    upstream = await self.client.request(
-                        request.method, url + target, data=raw or None, headers=headers
-                    )
+                    upstream = await self._send(request.method, url + target, raw, headers)
                     if self.metrics is not None:
                         self.metrics.upstream.labels(path).observe(time.perf_counter() - started)
                     streaming = route.stream or _is_sse(upstream)
                     first = await (upstream.content.readany() if streaming else upstream.read())
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                except aiohttp.ConnectionTimeoutError as exc:  # never reached: try another
+                    failed, why = lease, f"replica {lease.server_id!r}: {_describe(exc)}"
+                    continue
+                except asyncio.TimeoutError:  # --upstream-timeout: it may be working on it
+                    if upstream is not None:
+                        upstream.close()
+                    self._later(lease.fail())
+                    return self.error(
+                        path,
+                        504,
+                        f"replica {lease.server_id!r} did not answer within "
+                        f"{self.options.upstream_timeout}s",
+                        "upstream_timeout",
+                    )
+                except aiohttp.ClientError as exc:
                     if upstream is not None:
                         upstream.close()
                     failed, why = lease, f"replica {lease.server_id!r}: {_describe(exc)}"
@@ -239,6 +265,16 @@ class Front:
             f"no replica answered in {attempts} attempt(s); last: {why}",
             "upstream_error",
         )
+
+    async def _send(
+        self, method: str, url: str, raw: bytes, headers: CIMultiDict[str]
+    ) -> aiohttp.ClientResponse:
+        """One upstream request; sent once more at once when a pooled connection turns out
+        to have been closed by the replica (its keep-alive ran out), which is no failure."""
+        try:
+            return await self.client.request(method, url, data=raw or None, headers=headers)
+        except aiohttp.ServerDisconnectedError:
+            return await self.client.request(method, url, data=raw or None, headers=headers)
 
     async def _respond(
         self,
@@ -276,7 +312,8 @@ class Front:
             complete = True
             return stream
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            return web.Response(status=499)  # the client went away; nobody reads this
+            self._count(request.path, 499)  # the client went away; aiohttp ends the connection
+            raise
         finally:
             if complete:
                 upstream.release()

@@ -26,7 +26,13 @@ from typing import Any
 
 import httpx
 
-from ..errors import NoCapacity, NoServersAvailable, RedisUnavailable, ReplicaEjected
+from ..errors import (
+    ConfigMismatch,
+    NoCapacity,
+    NoServersAvailable,
+    RedisUnavailable,
+    ReplicaEjected,
+)
 from .routing import (
     DEFAULT_SESSION_HEADER,
     BadRequest,
@@ -128,6 +134,8 @@ class AsyncRouterTransport(httpx.AsyncBaseTransport):
                     lease = await rules.balancer.acquire(rid, **fields)
                 except (NoServersAvailable, RedisUnavailable) as exc:
                     return _unavailable(exc)
+                except ConfigMismatch as exc:
+                    return _answer(500, str(exc), "config_mismatch")
                 except (TypeError, ValueError) as exc:
                     return _answer(400, str(exc), "invalid_request_error")
                 if failed is not None:  # reported once the retry holds its replica
@@ -199,6 +207,8 @@ class RouterTransport(httpx.BaseTransport):
                     lease = rules.balancer.acquire(rid, **fields)
                 except (NoServersAvailable, RedisUnavailable) as exc:
                     return _unavailable(exc)
+                except ConfigMismatch as exc:
+                    return _answer(500, str(exc), "config_mismatch")
                 except (TypeError, ValueError) as exc:
                     return _answer(400, str(exc), "invalid_request_error")
                 if failed is not None:
