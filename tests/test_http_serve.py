@@ -55,6 +55,7 @@ class Procs:
     def __init__(self) -> None:
         self.started: list[subprocess.Popen[str]] = []
         self.banners: list[str] = []  # the first line each printed
+        self.by_id: dict[str, subprocess.Popen[str]] = {}  # replicas by id, to kill
 
     def start(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
         env = {**{k: v for k, v in os.environ.items() if k != "REDIS_URL"}, **(env or {})}
@@ -92,7 +93,7 @@ class Procs:
             )
             for i in range(n)
         }
-        self.by_id = getattr(self, "by_id", {}) | procs
+        self.by_id.update(procs)
         return {rid: self.url_of(p) for rid, p in procs.items()}
 
     def fronts(

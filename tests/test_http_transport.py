@@ -163,3 +163,22 @@ def test_malformed_requests_and_an_empty_pool_get_openai_errors(server, procs, n
         RouterTransport(AsyncRedisLoadBalancer(redis=server.url, name=name))
     with pytest.raises(TypeError, match="asyncio balancer"):
         AsyncRouterTransport(RedisLoadBalancer(redis=server.url, name=name))
+
+
+def test_a_replica_that_dies_mid_stream_is_reported_to_the_balancer(server, procs, name, make_lb):
+    replicas = procs.replicas(1)
+    register(server, name, replicas)
+    lb = make_lb(name=name)
+    body = {"model": "m", "messages": CHAT, "stream": True, "max_tokens": 500}
+    with httpx.Client(transport=RouterTransport(lb), timeout=30) as client, client.stream(
+        "POST", "http://router/v1/chat/completions", json=body,
+        headers={"X-Fake-Delay": "0.05"},
+    ) as resp:  # fmt: skip
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")
+        procs.kill("r0")
+        with pytest.raises(httpx.RemoteProtocolError):
+            for _ in lines:
+                pass
+    r0 = state(server, name)["replicas"]["r0"]
+    assert r0["failures"] == 1 and r0["inflight"] == 0
