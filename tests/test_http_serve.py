@@ -9,6 +9,7 @@ what each replica served from its ``/stats``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import queue
@@ -616,3 +617,32 @@ def test_an_upstream_timeout_is_a_504_reported_and_not_retried(server, procs, na
     )
     assert sum(inflight(server, name).values()) == 0
     assert metric(front, "redis_router_http_retries_total") == 0
+
+
+def test_least_tokens_weighs_text_prompts_through_serve(server, procs, name):
+    """With --policy least_tokens a long text prompt outweighs two short ones: a new request
+    goes to the replica with more requests but fewer prompt tokens in flight."""
+    replicas = procs.replicas(2)
+    register(server, name, replicas)
+    (front,) = procs.fronts(server.url, name, 1, "--policy", "least_tokens")
+    with httpx.Client(timeout=30) as client, contextlib.ExitStack() as streams:
+
+        def held(prompt: str) -> str:
+            body = {"prompt": prompt, "stream": True, "max_tokens": 400}
+            resp = streams.enter_context(
+                client.stream(
+                    "POST",
+                    f"{front}/v1/completions",
+                    json=body,
+                    headers={"X-Fake-Delay": "0.05"},
+                )
+            )
+            assert resp.status_code == 200
+            return str(resp.headers["x-replica-id"])
+
+        heavy = held("a long document. " * 2500)  # about 10k pseudo-tokens
+        light = {held(f"short question number {i}") for i in range(2)}
+        assert light == {"r0", "r1"} - {heavy}  # both short ones went to the other replica
+        resp = client.post(f"{front}/v1/completions", json={"prompt": "one more question"})
+        assert resp.headers["x-replica-id"] in light  # 2 in flight there, but fewer tokens
+    until(lambda: sum(inflight(server, name).values()) == 0, "every lease released")
