@@ -646,3 +646,49 @@ def test_least_tokens_weighs_text_prompts_through_serve(server, procs, name):
         resp = client.post(f"{front}/v1/completions", json={"prompt": "one more question"})
         assert resp.headers["x-replica-id"] in light  # 2 in flight there, but fewer tokens
     until(lambda: sum(inflight(server, name).values()) == 0, "every lease released")
+
+
+def _turn(front: str, session: str, turn: int) -> str:
+    messages = [{"role": "user", "content": f"{session} turn {t}"} for t in range(turn + 1)]
+    resp = httpx.post(
+        f"{front}/v1/chat/completions",
+        json={"model": "m", "messages": messages},
+        headers={"X-Session-ID": session},
+        timeout=30,
+    )
+    assert resp.status_code == 200, resp.text
+    return str(resp.headers["x-replica-id"])
+
+
+@pytest.mark.parametrize("eject", [True, False], ids=["ejecting", "not-ejecting"])
+def test_the_sessions_of_a_dead_replica_move_to_one_replica_each_for_every_instance(
+    server, procs, name, eject
+):
+    replicas = procs.replicas(3)
+    register(server, name, replicas)
+    flags = ("--eject-after", "1", "--eject-for", "120") if eject else ()
+    fronts = procs.fronts(server.url, name, 3, *flags)
+    first: dict[str, str] = {}
+    for s in range(40):  # sessions until some are on r1 (idle replicas tie: random)
+        first[f"s{s}"] = _turn(fronts[s % 3], f"s{s}", 0)
+        if s >= 5 and list(first.values()).count("r1") >= 2:
+            break
+    orphans = [s for s, where in first.items() if where == "r1"]
+    assert len(orphans) >= 2
+    procs.kill("r1")
+    later: dict[str, list[str]] = {s: [] for s in first}
+    for turn in (1, 2, 3):
+        for k, session in enumerate(first):
+            later[session].append(_turn(fronts[(k + turn) % 3], session, turn))
+    for session, where in later.items():
+        assert len(set(where)) == 1, (session, where)  # one replica for the rest, any instance
+        if session not in orphans:
+            assert where[0] == first[session]  # the living replicas' sessions never moved
+        else:
+            assert where[0] != "r1"
+    retries = sum(metric(f, "redis_router_http_retries_total") for f in fronts)
+    r1 = state(server, name)["replicas"]["r1"]
+    if eject:  # the first failure ejected r1: every other turn went straight to the new place
+        assert retries == 1 and r1["failures"] == 1 and r1["ejected_until"]
+    else:  # each orphan's turn fails on r1 first, then goes where its first retry went
+        assert retries == 3 * len(orphans) == r1["failures"] and not r1["ejected_until"]

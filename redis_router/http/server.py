@@ -7,9 +7,10 @@ one. A request costs one acquire, one upstream request and one release; the rele
 after the response's last byte, in the background, and at once when the client goes away.
 
 Failure rules: an upstream connection error (or a broken answer) before any byte reached the
-client reports a failure (``release(failed=True)``: passive ejection) and retries under a new
-request id (``<id>~r<k>``), acquired while the failed lease is still held, so least-loaded
-prefers the other replicas; ``--upstream-timeout`` running out is reported too, and answered
+client reports a failure (``release(failed=True)``: passive ejection) and retries: under the
+same request id when the failure ejected the replica (a session moves for good), else under
+``<id>~r<k>``, acquired while the failed replica holds one lease more, so least-loaded
+prefers the others; ``--upstream-timeout`` running out is reported too, and answered
 504, not retried; an upstream 5xx is passed through and reported as a failure; a full pool
 waits as the balancer's ``wait_timeout`` says, then is a 503 with ``Retry-After``; an empty
 pool is a 503; a malformed request is a 400 and takes no lease.
@@ -40,6 +41,7 @@ from ..errors import (
 from .routing import (
     GENERATION_PATHS,
     REQUEST_ID_HEADER,
+    RETRY_MARK,
     BadRequest,
     Route,
     SessionRule,
@@ -202,20 +204,23 @@ class Front:
         path, headers = request.path, forward_headers(request.headers)
         target = request.rel_url.path_qs
         failed: AsyncLease | None = None
+        avoid: set[str] = set()  # replicas that failed this request
         why = "no attempt"
         try:
-            for k, rid in enumerate(retry_ids(route.request_id, self.options.retries)):
+            for k in range(self.options.retries + 1):
+                if failed is not None:  # reported first: an ejection it causes moves the id
+                    avoid.add(failed.server_id)
+                    reported, failed = failed, None
+                    with contextlib.suppress(RedisUnavailable):  # the acquire will say so
+                        await reported.fail()
                 try:
-                    lease = await self.balancer.acquire(rid, wait=self.options.wait, **fields)
+                    lease = await self._acquire(route.request_id, k, fields, avoid)
                 except (NoServersAvailable, RedisUnavailable) as exc:
                     return self._unavailable(path, exc)
                 except ConfigMismatch as exc:  # settings pinned anew since this one started
                     return self.error(path, 500, str(exc), "config_mismatch")
                 except (TypeError, ValueError) as exc:  # the policy refused a field's value
                     return self.error(path, 400, str(exc), "invalid_request_error")
-                if failed is not None:  # reported once the retry holds its replica
-                    self._later(failed.fail())
-                    failed = None
                 if k and self.metrics is not None:
                     self.metrics.retries.labels(path).inc()
                 url = replica_url(lease.handle)
@@ -265,6 +270,21 @@ class Front:
             f"no replica answered in {attempts} attempt(s); last: {why}",
             "upstream_error",
         )
+
+    async def _acquire(
+        self, request_id: str, attempt: int, fields: Mapping[str, Any], avoid: set[str]
+    ) -> AsyncLease:
+        """The lease of one attempt. A retry whose id is still sticky to a replica that failed
+        (not ejected) runs under ``<id>~r<attempt>``, acquired while that replica holds one
+        lease more, so that least-loaded prefers the others."""
+        lease = await self.balancer.acquire(request_id, wait=self.options.wait, **fields)
+        if lease.server_id not in avoid:
+            return lease
+        try:
+            retry = f"{request_id}{RETRY_MARK}{attempt}"
+            return await self.balancer.acquire(retry, wait=self.options.wait, **fields)
+        finally:
+            self._later(lease.release())
 
     async def _send(
         self, method: str, url: str, raw: bytes, headers: CIMultiDict[str]

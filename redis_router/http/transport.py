@@ -19,6 +19,7 @@ is answered 503 with ``Retry-After``, as the server does.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 from collections.abc import AsyncIterator, Iterator
@@ -35,13 +36,13 @@ from ..errors import (
 )
 from .routing import (
     DEFAULT_SESSION_HEADER,
+    RETRY_MARK,
     BadRequest,
     Route,
     SessionRule,
     error_body,
     replica_url,
     retry_after,
-    retry_ids,
     route_request,
 )
 
@@ -127,20 +128,23 @@ class AsyncRouterTransport(httpx.AsyncBaseTransport):
         except BadRequest as exc:
             return _answer(400, str(exc), "invalid_request_error", param=exc.param)
         failed: Any = None
+        avoid: set[str] = set()
         why = "no attempt"
         try:
-            for rid in retry_ids(route.request_id, rules.retries):
+            for k in range(rules.retries + 1):
+                if failed is not None:  # reported first: an ejection it causes moves the id
+                    avoid.add(failed.server_id)
+                    reported, failed = failed, None
+                    with contextlib.suppress(RedisUnavailable):
+                        await reported.fail()
                 try:
-                    lease = await rules.balancer.acquire(rid, **fields)
+                    lease = await self._acquire(route.request_id, k, fields, avoid)
                 except (NoServersAvailable, RedisUnavailable) as exc:
                     return _unavailable(exc)
                 except ConfigMismatch as exc:
                     return _answer(500, str(exc), "config_mismatch")
                 except (TypeError, ValueError) as exc:
                     return _answer(400, str(exc), "invalid_request_error")
-                if failed is not None:  # reported once the retry holds its replica
-                    await failed.fail()
-                    failed = None
                 base = replica_url(lease.handle)
                 if base is None:
                     failed, why = lease, f"replica {lease.server_id!r} has no url in its metadata"
@@ -164,6 +168,20 @@ class AsyncRouterTransport(httpx.AsyncBaseTransport):
             if failed is not None:
                 await failed.fail()
         return _exhausted(rules.retries, why)
+
+    async def _acquire(
+        self, request_id: str, attempt: int, fields: dict[str, Any], avoid: set[str]
+    ) -> Any:
+        """See Front._acquire: a retry still sticky to a failed replica runs under
+        ``<id>~r<attempt>`` while that replica holds one lease more."""
+        acquire = self._rules.balancer.acquire
+        lease = await acquire(request_id, **fields)
+        if lease.server_id not in avoid:
+            return lease
+        try:
+            return await acquire(f"{request_id}{RETRY_MARK}{attempt}", **fields)
+        finally:
+            await lease.release()
 
     async def aclose(self) -> None:
         """Close the inner transport (the balancer is the caller's to close)."""
@@ -200,20 +218,23 @@ class RouterTransport(httpx.BaseTransport):
         except BadRequest as exc:
             return _answer(400, str(exc), "invalid_request_error", param=exc.param)
         failed: Any = None
+        avoid: set[str] = set()
         why = "no attempt"
         try:
-            for rid in retry_ids(route.request_id, rules.retries):
+            for k in range(rules.retries + 1):
+                if failed is not None:
+                    avoid.add(failed.server_id)
+                    reported, failed = failed, None
+                    with contextlib.suppress(RedisUnavailable):
+                        reported.fail()
                 try:
-                    lease = rules.balancer.acquire(rid, **fields)
+                    lease = self._acquire(route.request_id, k, fields, avoid)
                 except (NoServersAvailable, RedisUnavailable) as exc:
                     return _unavailable(exc)
                 except ConfigMismatch as exc:
                     return _answer(500, str(exc), "config_mismatch")
                 except (TypeError, ValueError) as exc:
                     return _answer(400, str(exc), "invalid_request_error")
-                if failed is not None:
-                    failed.fail()
-                    failed = None
                 base = replica_url(lease.handle)
                 if base is None:
                     failed, why = lease, f"replica {lease.server_id!r} has no url in its metadata"
@@ -237,6 +258,18 @@ class RouterTransport(httpx.BaseTransport):
             if failed is not None:
                 failed.fail()
         return _exhausted(rules.retries, why)
+
+    def _acquire(
+        self, request_id: str, attempt: int, fields: dict[str, Any], avoid: set[str]
+    ) -> Any:
+        acquire = self._rules.balancer.acquire
+        lease = acquire(request_id, **fields)
+        if lease.server_id not in avoid:
+            return lease
+        try:
+            return acquire(f"{request_id}{RETRY_MARK}{attempt}", **fields)
+        finally:
+            lease.release()
 
     def close(self) -> None:
         self._inner.close()
