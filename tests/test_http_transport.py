@@ -182,3 +182,21 @@ def test_a_replica_that_dies_mid_stream_is_reported_to_the_balancer(server, proc
                 pass
     r0 = state(server, name)["replicas"]["r0"]
     assert r0["failures"] == 1 and r0["inflight"] == 0
+
+
+def test_a_timeout_is_reported_and_raised_not_retried(server, procs, name, make_lb):
+    replicas = procs.replicas(2)
+    register(server, name, replicas)
+    lb = make_lb(name=name)
+    transport = RouterTransport(lb)
+    client = httpx.Client(transport=transport, timeout=httpx.Timeout(30, read=0.5))
+    with client, pytest.raises(httpx.ReadTimeout):
+        client.post(
+            "http://router/v1/completions",
+            json={"prompt": "x", "max_tokens": 100},
+            headers={"X-Fake-Delay": "0.1"},  # 10 s of generation
+        )
+    snap = state(server, name)
+    assert sum(r["failures"] for r in snap["replicas"].values()) == 1
+    assert snap["total_inflight"] == 0
+    assert sum(stats(u)["served"].get("/v1/completions", 0) for u in replicas.values()) == 1

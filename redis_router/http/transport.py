@@ -13,7 +13,8 @@ or the body's ``rid``, else a fresh one; the prompt fills the policy's declared 
 malformed generation body is answered 400 without a lease. The lease is held until the
 response is closed (httpx closes it once read; a stream when the ``with`` block ends) and a
 5xx or a broken body releases it as failed; a connection error before the response is
-reported as a failure and retried on another replica, up to ``retries``. A full or empty pool
+reported as a failure and retried on another replica, up to ``retries`` (a timeout is
+reported and raised as httpx raises it, not retried). A full or empty pool
 is answered 503 with ``Retry-After``, as the server does.
 """
 
@@ -151,6 +152,12 @@ class AsyncRouterTransport(httpx.AsyncBaseTransport):
                     continue
                 try:
                     resp = await self._inner.handle_async_request(_retarget(request, base, raw))
+                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never reached
+                    failed, why = lease, f"replica {lease.server_id!r}: {exc!r}"
+                    continue
+                except httpx.TimeoutException:  # it may be working on it: no retry
+                    await lease.fail()
+                    raise
                 except httpx.TransportError as exc:
                     failed, why = lease, f"replica {lease.server_id!r}: {exc!r}"
                     continue
@@ -241,6 +248,12 @@ class RouterTransport(httpx.BaseTransport):
                     continue
                 try:
                     resp = self._inner.handle_request(_retarget(request, base, raw))
+                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never reached
+                    failed, why = lease, f"replica {lease.server_id!r}: {exc!r}"
+                    continue
+                except httpx.TimeoutException:  # it may be working on it: no retry
+                    lease.fail()
+                    raise
                 except httpx.TransportError as exc:
                     failed, why = lease, f"replica {lease.server_id!r}: {exc!r}"
                     continue
