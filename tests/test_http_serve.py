@@ -692,3 +692,25 @@ def test_the_sessions_of_a_dead_replica_move_to_one_replica_each_for_every_insta
         assert retries == 1 and r1["failures"] == 1 and r1["ejected_until"]
     else:  # each orphan's turn fails on r1 first, then goes where its first retry went
         assert retries == 3 * len(orphans) == r1["failures"] and not r1["ejected_until"]
+
+
+def test_sigterm_lets_the_streams_in_flight_finish_then_stops(server, procs, name):
+    replicas = procs.replicas(1)
+    register(server, name, replicas)
+    (front,) = procs.fronts(server.url, name, 1)
+    proc = procs.started[-1]
+    body = {"model": "m", "messages": CHAT, "stream": True, "max_tokens": 20}
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream(
+            "POST", f"{front}/v1/chat/completions", json=body, headers={"X-Fake-Delay": "0.05"}
+        ) as resp,
+    ):
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")
+        proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]" and len(rest) == 20  # 19 more words, then the end
+    assert proc.wait(30) == 0
+    assert inflight(server, name) == {"r0": 0}
+    assert state(server, name)["holders"]["live"] == 0  # its holder retired on the way out
