@@ -714,3 +714,18 @@ def test_sigterm_lets_the_streams_in_flight_finish_then_stops(server, procs, nam
     assert proc.wait(30) == 0
     assert inflight(server, name) == {"r0": 0}
     assert state(server, name)["holders"]["live"] == 0  # its holder retired on the way out
+
+
+def test_redis_out_of_reach_is_a_503_and_an_unhealthy_instance(server, procs, name):
+    replicas = procs.replicas(1)
+    register(server, name, replicas)
+    (front,) = procs.fronts(server.url, name, 1)
+    assert httpx.post(f"{front}/v1/completions", json={"prompt": "x"}).status_code == 200
+    server.stop()  # a real outage (the fixture starts a fresh server for the next test)
+    resp = httpx.post(f"{front}/v1/completions", json={"prompt": "x"}, timeout=30)
+    assert resp.status_code == 503 and resp.headers["Retry-After"] == "1"
+    error = resp.json()["error"]
+    assert error["type"] == "redis_unavailable" and str(server.port) in error["message"]
+    health = httpx.get(f"{front}/health", timeout=30)
+    assert health.status_code == 503 and health.json()["error"]["type"] == "redis_unavailable"
+    assert stats(replicas["r0"])["served"] == {"/v1/completions": 1}
