@@ -16,6 +16,7 @@ import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -57,19 +58,33 @@ class Procs:
         self.started: list[subprocess.Popen[str]] = []
         self.banners: list[str] = []  # the first line each printed
         self.by_id: dict[str, subprocess.Popen[str]] = {}  # replicas by id, to kill
+        self.logs: dict[subprocess.Popen[str], Any] = {}  # stderr, in a file: never blocks
 
-    def start(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    def start(
+        self, *args: str, env: dict[str, str] | None = None, pipe_stderr: bool = False
+    ) -> subprocess.Popen[str]:
         env = {**{k: v for k, v in os.environ.items() if k != "REDIS_URL"}, **(env or {})}
+        log = None if pipe_stderr else tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in stop)
         proc = subprocess.Popen(
             [sys.executable, *args],
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=subprocess.PIPE if log is None else log,
             text=True,
             env=env,
             cwd=ROOT,
         )
         self.started.append(proc)
+        if log is not None:
+            self.logs[proc] = log
         return proc
+
+    def stderr_of(self, proc: subprocess.Popen[str]) -> str:
+        log = self.logs.get(proc)
+        if log is None:
+            assert proc.stderr is not None
+            return proc.stderr.read()
+        log.seek(0)
+        return str(log.read())
 
     def url_of(self, proc: subprocess.Popen[str]) -> str:
         lines: queue.Queue[str] = queue.Queue()
@@ -81,8 +96,8 @@ class Procs:
             proc.kill()
             raise AssertionError(f"{proc.args} printed nothing in {START_TIMEOUT:g}s") from None
         if not line:
-            assert proc.stderr is not None
-            raise AssertionError(f"{proc.args} exited: {proc.stderr.read()}")
+            proc.wait(10)
+            raise AssertionError(f"{proc.args} exited: {self.stderr_of(proc)}")
         self.banners.append(line)
         return line.split()[-1]
 
@@ -120,7 +135,7 @@ class Procs:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(10)
-            for stream in (p.stdout, p.stderr):
+            for stream in (p.stdout, p.stderr, self.logs.get(p)):
                 if stream is not None:
                     stream.close()
 
@@ -533,7 +548,7 @@ def test_serve_refuses_settings_that_disagree_with_the_pinned_ones(server, procs
     lb.release_server(*lb.acquire_server("pin")[:1], "pin")  # the first acquire pins
     proc = procs.start(
         "-m", "redis_router", "--redis", server.url, "--name", name, "serve", "--port", "0",
-        "--sticky-ttl", "120",
+        "--sticky-ttl", "120", pipe_stderr=True,
     )  # fmt: skip
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and out == ""
@@ -563,7 +578,14 @@ def test_a_replica_that_dies_mid_stream_cuts_the_answer_short_and_is_reported(se
 
 def test_serve_never_shows_the_redis_password(procs):
     proc = procs.start(
-        "-m", "redis_router", "--redis", "redis://:hunter2@127.0.0.1:1/0", "serve", "--port", "0"
+        "-m",
+        "redis_router",
+        "--redis",
+        "redis://:hunter2@127.0.0.1:1/0",
+        "serve",
+        "--port",
+        "0",
+        pipe_stderr=True,
     )
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and out == ""
