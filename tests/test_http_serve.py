@@ -451,10 +451,24 @@ def test_abort_goes_only_to_the_replica_serving_the_request(server, procs, name)
             assert aborted.json() == {"aborted": "job-7", "replica": owner}
         missing = client.post(f"{fronts[1]}/abort_request", json={"rid": "nobody"})
         assert missing.status_code == 404 and "nobody" in missing.json()["error"]["message"]
+        session = {"X-Session-ID": "sess-9", "X-Fake-Delay": "0.05"}
+        with client.stream(
+            "POST", f"{fronts[1]}/generate", json={**body, "rid": "job-8"}, headers=session
+        ) as resp:
+            lines = resp.iter_lines()
+            next(lines)
+            by_session = resp.headers["x-replica-id"]
+            aborted = client.post(
+                f"{fronts[0]}/abort_request",
+                json={"rid": "job-8"},
+                headers={"X-Session-ID": "sess-9"},  # the balancer knows the session
+            )
+            assert aborted.json() == {"aborted": "job-8", "replica": by_session}
         bad = client.post(f"{fronts[1]}/abort_request", json={"rid": 3})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "rid"
     for rid, url in replicas.items():
-        assert stats(url)["aborted"] == (["job-7"] if rid == owner else []), rid
+        expected = (["job-7"] if rid == owner else []) + (["job-8"] if rid == by_session else [])
+        assert stats(url)["aborted"] == expected, rid
 
 
 def test_workers_register_drain_and_remove_replicas(server, procs, name):

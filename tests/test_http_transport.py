@@ -200,3 +200,25 @@ def test_a_timeout_is_reported_and_raised_not_retried(server, procs, name, make_
     assert sum(r["failures"] for r in snap["replicas"].values()) == 1
     assert snap["total_inflight"] == 0
     assert sum(stats(u)["served"].get("/v1/completions", 0) for u in replicas.values()) == 1
+
+
+def test_serve_and_the_transport_are_one_balancer(server, procs, name, make_lb):
+    """A session begun through a serve instance goes on through an in-process transport to
+    the same replica, and back: they share the balancer's state in Redis, nothing else."""
+    replicas = procs.replicas(3)
+    register(server, name, replicas)
+    (front,) = procs.fronts(server.url, name, 1)
+    lb = make_lb(name=name)
+    direct = httpx.Client(transport=RouterTransport(lb), base_url="http://router", timeout=30)
+    via = httpx.Client(base_url=front, timeout=30)
+    with direct, via:
+        for s in range(6):
+            headers = {"X-Session-ID": f"mixed-{s}"}
+            body = {"model": "m", "messages": CHAT}
+            where = {
+                client.post("/v1/chat/completions", json=body, headers=headers).json()["replica"]
+                for client in (via, direct, via, direct)
+            }
+            assert len(where) == 1, where
+    snap = state(server, name)
+    assert sum(r["sticky_hits"] for r in snap["replicas"].values()) == 6 * 3
