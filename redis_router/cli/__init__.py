@@ -58,6 +58,9 @@ COMMANDS: dict[str, Command] = {
     "kv-events": Command(
         "redis_router.cli.kv_events", "keep the exact KV-block index from the replicas' events"
     ),
+    "serve": Command(
+        "redis_router.cli.serve", "serve an OpenAI-compatible HTTP API routed by the balancer"
+    ),
     "simulate": Command(
         "redis_router.tools.simulate",
         "compare routers on simulated replicas with KV caches",

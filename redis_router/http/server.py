@@ -1,0 +1,290 @@
+"""The OpenAI-compatible front of ``redis-router serve``: an aiohttp app that forwards each
+request to the replica the shared balancer grants.
+
+Stateless: everything that routes (leases, sticky sessions, ejections, waiters, the prefix
+index) is the balancer's, in Redis, so any number of these behind any L4 balancer route as
+one. A request costs one acquire, one upstream request and one release; the release is sent
+after the response's last byte, in the background, and at once when the client goes away.
+
+Failure rules: an upstream connection error (or a broken answer) before any byte reached the
+client reports a failure (``release(failed=True)``: passive ejection) and retries: under the
+same request id when the failure ejected the replica (a session moves for good), else under
+``<id>~r<k>``, acquired while the failed replica holds one lease more, so least-loaded
+prefers the others; ``--upstream-timeout`` running out is reported too, and answered
+504, not retried; an upstream 5xx is passed through and reported as a failure; a full pool
+waits as the balancer's ``wait_timeout`` says, then is a 503 with ``Retry-After``; an empty
+pool is a 503; a malformed request is a 400 and takes no lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from ..aio import AsyncLease
+from ..errors import ConfigMismatch, NoServersAvailable, RedisUnavailable
+from .handlers import (
+    REPLICA_HEADER,
+    Handlers,
+    ServeOptions,
+    describe_error,
+    forward_headers,
+    pass_headers,
+)
+from .routing import GENERATION_PATHS, RETRY_MARK, BadRequest, Route, replica_url, route_request
+
+__all__ = ["Front", "ServeOptions", "running"]
+
+# Seconds an idle upstream connection is kept: below uvicorn's 5 s keep-alive (vLLM, SGLang),
+# so the front rarely sends on a connection the replica is closing.
+KEEPALIVE_TIMEOUT = 4.0
+
+
+class Front(Handlers):
+    """A serve instance's app: generation here, the rest in :class:`Handlers`."""
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.options.max_body)
+        for path in GENERATION_PATHS:
+            app.router.add_post(path, self.generate)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_page)
+        app.router.add_post("/abort_request", self.abort)
+        app.router.add_get("/workers", self.workers)
+        app.router.add_post("/workers", self.add_worker)
+        app.router.add_delete("/workers/{id}", self.remove_worker)
+        app.router.add_route("*", "/{tail:.*}", self.not_found)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _app: web.Application) -> None:
+        o = self.options
+        timeout = aiohttp.ClientTimeout(
+            total=o.upstream_timeout, sock_connect=o.connect_timeout, connect=o.connect_timeout
+        )
+        # No pool limit (the balancer bounds each replica), raw bytes passed through as sent.
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_TIMEOUT
+        )
+        self._client = aiohttp.ClientSession(
+            connector=connector, timeout=timeout, auto_decompress=False
+        )
+
+    async def _stop(self, _app: web.Application) -> None:
+        if self._pending:
+            await asyncio.wait(set(self._pending), timeout=5.0)
+        if self._client is not None:
+            await self._client.close()
+
+    # -- generation ------------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        m = self.metrics
+        if m is not None:
+            m.inflight.inc()
+        try:
+            resp = await self._generate(request)
+        finally:
+            if m is not None:
+                m.inflight.dec()
+        self._count(request.path, resp.status)
+        return resp
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        path = request.path
+        try:
+            raw = await request.read()
+            route = route_request(path, raw, request.headers, self.options.session)
+            fields = route.fields(self.declared)
+        except BadRequest as exc:
+            return self.error(path, 400, str(exc), "invalid_request_error", param=exc.param)
+        except web.HTTPRequestEntityTooLarge:
+            return self.error(
+                path,
+                413,
+                f"the body exceeds {self.options.max_body} bytes",
+                "invalid_request_error",
+            )
+        got = await self._connect(request, route, fields, raw)
+        if isinstance(got, web.Response):
+            return got
+        lease, upstream, first, streaming = got
+        return await self._respond(request, lease, upstream, first, streaming)
+
+    async def _connect(
+        self, request: web.Request, route: Route, fields: Mapping[str, Any], raw: bytes
+    ) -> web.Response | tuple[AsyncLease, aiohttp.ClientResponse, bytes, bool]:
+        """Acquire and send until a replica answers (headers, and the first bytes of the body)
+        or the retries are spent. Nothing has reached the client yet."""
+        path, headers = request.path, forward_headers(request.headers)
+        target = request.rel_url.path_qs
+        failed: AsyncLease | None = None
+        avoid: set[str] = set()  # replicas that failed this request
+        why = "no attempt"
+        try:
+            for k in range(self.options.retries + 1):
+                if failed is not None:  # reported first: an ejection it causes moves the id
+                    avoid.add(failed.server_id)
+                    reported, failed = failed, None
+                    with contextlib.suppress(RedisUnavailable):  # the acquire will say so
+                        await reported.fail()
+                try:
+                    lease = await self._acquire(route.request_id, k, fields, avoid)
+                except (NoServersAvailable, RedisUnavailable) as exc:
+                    return self._unavailable(path, exc)
+                except ConfigMismatch as exc:  # settings pinned anew since this one started
+                    return self.error(path, 500, str(exc), "config_mismatch")
+                except (TypeError, ValueError) as exc:  # the policy refused a field's value
+                    return self.error(path, 400, str(exc), "invalid_request_error")
+                if k and self.metrics is not None:
+                    self.metrics.retries.labels(path).inc()
+                url = replica_url(lease.handle)
+                if url is None:
+                    failed, why = lease, f"replica {lease.server_id!r} has no url in its metadata"
+                    continue
+                started = time.perf_counter()
+                upstream: aiohttp.ClientResponse | None = None
+                try:
+                    upstream = await self._send(request.method, url + target, raw, headers)
+                    if self.metrics is not None:
+                        self.metrics.upstream.labels(path).observe(time.perf_counter() - started)
+                    streaming = route.stream or _is_sse(upstream)
+                    first = await (upstream.content.readany() if streaming else upstream.read())
+                except aiohttp.ConnectionTimeoutError as exc:  # never reached: try another
+                    failed, why = lease, f"replica {lease.server_id!r}: {describe_error(exc)}"
+                    continue
+                except asyncio.TimeoutError:  # --upstream-timeout: it may be working on it
+                    if upstream is not None:
+                        upstream.close()
+                    self._later(lease.fail())
+                    return self.error(
+                        path,
+                        504,
+                        f"replica {lease.server_id!r} did not answer within "
+                        f"{self.options.upstream_timeout}s",
+                        "upstream_timeout",
+                    )
+                except aiohttp.ClientError as exc:
+                    if upstream is not None:
+                        upstream.close()
+                    failed, why = lease, f"replica {lease.server_id!r}: {describe_error(exc)}"
+                    continue
+                except BaseException:
+                    if upstream is not None:
+                        upstream.close()
+                    self._later(lease.release())
+                    raise
+                return lease, upstream, first, streaming
+        finally:
+            if failed is not None:
+                self._later(failed.fail())
+        attempts = self.options.retries + 1
+        return self.error(
+            path,
+            502,
+            f"no replica answered in {attempts} attempt(s); last: {why}",
+            "upstream_error",
+        )
+
+    async def _acquire(
+        self, request_id: str, attempt: int, fields: Mapping[str, Any], avoid: set[str]
+    ) -> AsyncLease:
+        """The lease of one attempt. A retry whose id is still sticky to a replica that failed
+        (not ejected) runs under ``<id>~r<attempt>``, acquired while that replica holds one
+        lease more, so that least-loaded prefers the others."""
+        lease = await self.balancer.acquire(request_id, wait=self.options.wait, **fields)
+        if lease.server_id not in avoid:
+            return lease
+        try:
+            retry = f"{request_id}{RETRY_MARK}{attempt}"
+            return await self.balancer.acquire(retry, wait=self.options.wait, **fields)
+        finally:
+            self._later(lease.release())
+
+    async def _send(
+        self, method: str, url: str, raw: bytes, headers: CIMultiDict[str]
+    ) -> aiohttp.ClientResponse:
+        """One upstream request; sent once more at once when a pooled connection turns out
+        to have been closed by the replica (its keep-alive ran out), which is no failure."""
+        try:
+            return await self.client.request(method, url, data=raw or None, headers=headers)
+        except aiohttp.ServerDisconnectedError:
+            return await self.client.request(method, url, data=raw or None, headers=headers)
+
+    async def _respond(
+        self,
+        request: web.Request,
+        lease: AsyncLease,
+        upstream: aiohttp.ClientResponse,
+        first: bytes,
+        streaming: bool,
+    ) -> web.StreamResponse:
+        """Pass the answer on; the lease ends after its last byte (failed on a 5xx or a
+        replica that broke off), at once if the client goes away."""
+        failed, complete = upstream.status >= 500, False
+        headers = pass_headers(upstream.headers)
+        headers[REPLICA_HEADER] = lease.server_id
+        try:
+            if not streaming:
+                resp = web.Response(status=upstream.status, body=first, headers=headers)
+                await resp.prepare(request)
+                await resp.write_eof()
+                complete = True
+                return resp
+            stream = web.StreamResponse(status=upstream.status, headers=headers)
+            await stream.prepare(request)
+            if first:
+                await stream.write(first)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await stream.write(chunk)
+            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError):
+                failed = True  # the replica broke off mid-answer: the client sees it cut short
+                if request.transport is not None:
+                    request.transport.close()
+                return stream
+            await stream.write_eof()
+            complete = True
+            return stream
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            self._count(request.path, 499)  # the client went away; aiohttp ends the connection
+            raise
+        finally:
+            if complete:
+                upstream.release()
+            else:
+                upstream.close()  # the replica sees the disconnect and stops generating
+            self._later(lease.fail() if failed else lease.release())
+
+    # -- the rest of the API ---------------------------------------------------------------
+
+
+def _is_sse(resp: aiohttp.ClientResponse) -> bool:
+    return resp.content_type == "text/event-stream"
+
+
+@contextlib.asynccontextmanager
+async def running(front: Front, host: str, port: int, *, shutdown_timeout: float = 10.0) -> Any:
+    """Serve ``front`` on host:port until the block ends; yields the bound (host, port)."""
+    runner = web.AppRunner(
+        front.app(), handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0]
+        yield bound[0], bound[1]
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,329 @@
+"""httpx transports that route each request through a balancer, in-process (no router hop):
+
+    lb = AsyncRedisLoadBalancer(redis=url, name="rollout")
+    client = openai.AsyncOpenAI(
+        base_url="http://router/v1",  # any host: the path and query go to the granted replica
+        api_key="...",
+        http_client=httpx.AsyncClient(transport=AsyncRouterTransport(lb)),
+    )
+
+The rules are ``redis-router serve``'s (:mod:`redis_router.http.routing`): the session comes
+from the ``X-Session-ID`` header (or a body field), else the request id from ``X-Request-Id``
+or the body's ``rid``, else a fresh one; the prompt fills the policy's declared fields; a
+malformed generation body is answered 400 without a lease. The lease is held until the
+response is closed (httpx closes it once read; a stream when the ``with`` block ends) and a
+5xx or a broken body releases it as failed; a connection error before the response is
+reported as a failure and retried on another replica, up to ``retries`` (a timeout is
+reported and raised as httpx raises it, not retried). A full or empty pool
+is answered 503 with ``Retry-After``, as the server does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+
+from ..errors import (
+    ConfigMismatch,
+    NoCapacity,
+    NoServersAvailable,
+    RedisUnavailable,
+    ReplicaEjected,
+)
+from .routing import (
+    DEFAULT_SESSION_HEADER,
+    RETRY_MARK,
+    BadRequest,
+    Route,
+    SessionRule,
+    error_body,
+    replica_url,
+    retry_after,
+    route_request,
+)
+
+__all__ = ["AsyncRouterTransport", "RouterTransport"]
+
+
+class _Rules:
+    """What both transports share: the session rule, the retries, the declared fields."""
+
+    def __init__(
+        self, balancer: Any, retries: int, session_header: str, session_field: str | None
+    ) -> None:
+        if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 10:
+            raise ValueError(f"retries must be an int in [0, 10], got {retries!r}")
+        self.balancer, self.retries = balancer, retries
+        self.rule = SessionRule(session_header, session_field)
+        self.declared = tuple(balancer.require_acquire_fields())
+
+    def route(self, request: httpx.Request, raw: bytes) -> tuple[Route, dict[str, Any]]:
+        route = route_request(request.url.path, raw, request.headers, self.rule)
+        return route, route.fields(self.declared)
+
+
+def _retarget(request: httpx.Request, base: str, raw: bytes) -> httpx.Request:
+    """The request, sent to the replica at ``base`` (its path and query kept)."""
+    headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() != "host"]
+    url = httpx.URL(base + request.url.raw_path.decode("ascii"))
+    return httpx.Request(
+        request.method, url, headers=headers, content=raw, extensions=request.extensions
+    )
+
+
+def _answer(status: int, message: str, kind: str, **extra: Any) -> httpx.Response:
+    headers = {"Content-Type": "application/json", **extra.pop("headers", {})}
+    body = json.dumps(error_body(message, kind, status, extra.get("param"))).encode()
+    return httpx.Response(status, headers=headers, content=body)
+
+
+def _unavailable(exc: Exception) -> httpx.Response:
+    if isinstance(exc, ReplicaEjected):
+        wait, kind = retry_after(exc.seconds_left), "replica_ejected"
+    elif isinstance(exc, NoCapacity):
+        wait, kind = "1", "no_capacity"
+    elif isinstance(exc, NoServersAvailable):
+        wait, kind = "1", "no_servers_available"
+    else:
+        wait, kind = "1", "redis_unavailable"
+    return _answer(503, str(exc), kind, headers={"Retry-After": wait})
+
+
+def _exhausted(retries: int, why: str) -> httpx.Response:
+    return _answer(
+        502, f"no replica answered in {retries + 1} attempt(s); last: {why}", "upstream_error"
+    )
+
+
+class AsyncRouterTransport(httpx.AsyncBaseTransport):
+    """Route an ``httpx.AsyncClient``'s requests through an asyncio balancer
+    (:class:`~redis_router.AsyncRedisLoadBalancer` or a router built on it)."""
+
+    def __init__(
+        self,
+        balancer: Any,
+        *,
+        retries: int = 2,
+        session_header: str = DEFAULT_SESSION_HEADER,
+        session_field: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if not inspect.iscoroutinefunction(getattr(balancer, "acquire", None)):
+            raise TypeError(
+                f"AsyncRouterTransport needs an asyncio balancer (AsyncRedisLoadBalancer), got "
+                f"{type(balancer).__name__}; use RouterTransport for a sync one"
+            )
+        self._rules = _Rules(balancer, retries, session_header, session_field)
+        self._inner = transport or httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        rules = self._rules
+        raw = await request.aread()
+        try:
+            route, fields = rules.route(request, raw)
+        except BadRequest as exc:
+            return _answer(400, str(exc), "invalid_request_error", param=exc.param)
+        failed: Any = None
+        avoid: set[str] = set()
+        why = "no attempt"
+        try:
+            for k in range(rules.retries + 1):
+                if failed is not None:  # reported first: an ejection it causes moves the id
+                    avoid.add(failed.server_id)
+                    reported, failed = failed, None
+                    with contextlib.suppress(RedisUnavailable):
+                        await reported.fail()
+                try:
+                    lease = await self._acquire(route.request_id, k, fields, avoid)
+                except (NoServersAvailable, RedisUnavailable) as exc:
+                    return _unavailable(exc)
+                except ConfigMismatch as exc:
+                    return _answer(500, str(exc), "config_mismatch")
+                except (TypeError, ValueError) as exc:
+                    return _answer(400, str(exc), "invalid_request_error")
+                base = replica_url(lease.handle)
+                if base is None:
+                    failed, why = lease, f"replica {lease.server_id!r} has no url in its metadata"
+                    continue
+                try:
+                    resp = await self._inner.handle_async_request(_retarget(request, base, raw))
+                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never reached
+                    failed, why = lease, f"replica {lease.server_id!r}: {exc!r}"
+                    continue
+                except httpx.TimeoutException:  # it may be working on it: no retry
+                    await lease.fail()
+                    raise
+                except httpx.TransportError as exc:
+                    failed, why = lease, f"replica {lease.server_id!r}: {exc!r}"
+                    continue
+                except BaseException:
+                    await lease.release()
+                    raise
+                stream = _AsyncLeased(resp.stream, lease, resp.status_code >= 500)
+                return httpx.Response(
+                    resp.status_code,
+                    headers=resp.headers,
+                    stream=stream,
+                    extensions=resp.extensions,
+                )
+        finally:
+            if failed is not None:
+                await failed.fail()
+        return _exhausted(rules.retries, why)
+
+    async def _acquire(
+        self, request_id: str, attempt: int, fields: dict[str, Any], avoid: set[str]
+    ) -> Any:
+        """See Front._acquire: a retry still sticky to a failed replica runs under
+        ``<id>~r<attempt>`` while that replica holds one lease more."""
+        acquire = self._rules.balancer.acquire
+        lease = await acquire(request_id, **fields)
+        if lease.server_id not in avoid:
+            return lease
+        try:
+            return await acquire(f"{request_id}{RETRY_MARK}{attempt}", **fields)
+        finally:
+            await lease.release()
+
+    async def aclose(self) -> None:
+        """Close the inner transport (the balancer is the caller's to close)."""
+        await self._inner.aclose()
+
+
+class RouterTransport(httpx.BaseTransport):
+    """Route an ``httpx.Client``'s requests through a sync balancer
+    (:class:`~redis_router.RedisLoadBalancer` or a router built on it)."""
+
+    def __init__(
+        self,
+        balancer: Any,
+        *,
+        retries: int = 2,
+        session_header: str = DEFAULT_SESSION_HEADER,
+        session_field: str | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        acquire = getattr(balancer, "acquire", None)
+        if acquire is None or inspect.iscoroutinefunction(acquire):
+            raise TypeError(
+                f"RouterTransport needs a sync balancer (RedisLoadBalancer), got "
+                f"{type(balancer).__name__}; use AsyncRouterTransport for an asyncio one"
+            )
+        self._rules = _Rules(balancer, retries, session_header, session_field)
+        self._inner = transport or httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        rules = self._rules
+        raw = request.read()
+        try:
+            route, fields = rules.route(request, raw)
+        except BadRequest as exc:
+            return _answer(400, str(exc), "invalid_request_error", param=exc.param)
+        failed: Any = None
+        avoid: set[str] = set()
+        why = "no attempt"
+        try:
+            for k in range(rules.retries + 1):
+                if failed is not None:
+                    avoid.add(failed.server_id)
+                    reported, failed = failed, None
+                    with contextlib.suppress(RedisUnavailable):
+                        reported.fail()
+                try:
+                    lease = self._acquire(route.request_id, k, fields, avoid)
+                except (NoServersAvailable, RedisUnavailable) as exc:
+                    return _unavailable(exc)
+                except ConfigMismatch as exc:
+                    return _answer(500, str(exc), "config_mismatch")
+                except (TypeError, ValueError) as exc:
+                    return _answer(400, str(exc), "invalid_request_error")
+                base = replica_url(lease.handle)
+                if base is None:
+                    failed, why = lease, f"replica {lease.server_id!r} has no url in its metadata"
+                    continue
+                try:
+                    resp = self._inner.handle_request(_retarget(request, base, raw))
+                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never reached
+                    failed, why = lease, f"replica {lease.server_id!r}: {exc!r}"
+                    continue
+                except httpx.TimeoutException:  # it may be working on it: no retry
+                    lease.fail()
+                    raise
+                except httpx.TransportError as exc:
+                    failed, why = lease, f"replica {lease.server_id!r}: {exc!r}"
+                    continue
+                except BaseException:
+                    lease.release()
+                    raise
+                stream = _Leased(resp.stream, lease, resp.status_code >= 500)
+                return httpx.Response(
+                    resp.status_code,
+                    headers=resp.headers,
+                    stream=stream,
+                    extensions=resp.extensions,
+                )
+        finally:
+            if failed is not None:
+                failed.fail()
+        return _exhausted(rules.retries, why)
+
+    def _acquire(
+        self, request_id: str, attempt: int, fields: dict[str, Any], avoid: set[str]
+    ) -> Any:
+        acquire = self._rules.balancer.acquire
+        lease = acquire(request_id, **fields)
+        if lease.server_id not in avoid:
+            return lease
+        try:
+            return acquire(f"{request_id}{RETRY_MARK}{attempt}", **fields)
+        finally:
+            lease.release()
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class _AsyncLeased(httpx.AsyncByteStream):
+    """A response body whose lease ends when it is closed (failed if the body broke off)."""
+
+    def __init__(self, inner: Any, lease: Any, failed: bool) -> None:
+        self._inner, self._lease, self._failed = inner, lease, failed
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._inner:
+                yield chunk
+        except httpx.TransportError:
+            self._failed = True
+            raise
+
+    async def aclose(self) -> None:
+        try:
+            await self._inner.aclose()
+        finally:
+            await (self._lease.fail() if self._failed else self._lease.release())
+
+
+class _Leased(httpx.SyncByteStream):
+    """The sync twin of :class:`_AsyncLeased`."""
+
+    def __init__(self, inner: Any, lease: Any, failed: bool) -> None:
+        self._inner, self._lease, self._failed = inner, lease, failed
+
+    def __iter__(self) -> Iterator[bytes]:
+        try:
+            yield from self._inner
+        except httpx.TransportError:
+            self._failed = True
+            raise
+
+    def close(self) -> None:
+        try:
+            self._inner.close()
+        finally:
+            self._lease.fail() if self._failed else self._lease.release()
