@@ -33,7 +33,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from redis_router import RedisLoadBalancer
+from redis_router.core import RESEND_WINDOW_MS, Call
 from redis_router.local_server import LocalServer, first_server_binary
+from redis_router.scripts import load
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -98,6 +100,29 @@ time.sleep(600)
 """
 
 
+@contextmanager
+def heard(lb: RedisLoadBalancer) -> Iterator[None]:
+    """Heartbeats that reap nothing (budget 0), from a thread: Redis hears a living process
+    meanwhile, so a dead one is dead rather than on probation (a stretch with nobody heard looks
+    like a pause of Redis), and its leases stay to be shown awaiting reclaim."""
+    c = lb._core
+    args = (f"{c.holder}-heard", 1000, c.sticky_ms, c.max_age_ms, RESEND_WINDOW_MS, 0,
+            *c.routing, c.ejection)  # fmt: skip
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(0.05):
+            lb._exec(Call(load("heartbeat"), args))
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 @scenario
 def rollout(url: str) -> Iterator[None]:
     """Four vLLM replicas: vllm-2 drained, vllm-3 draining with requests in flight, and a worker
@@ -114,16 +139,18 @@ def rollout(url: str) -> Iterator[None]:
             if lease.server_id == "vllm-2":
                 lease.release()
         lb.drain_servers(["vllm-2", "vllm-3"])
-        worker = subprocess.Popen(
-            [sys.executable, "-c", DEAD_WORKER, url], stdout=subprocess.PIPE, text=True
-        )
-        assert worker.stdout is not None and worker.stdout.readline() == "holding\n"
-        worker.send_signal(signal.SIGKILL)  # the worker this function started
-        worker.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while lb.get_status()["holders"].get("awaiting_reclaim", 0) < 2:
-            assert time.monotonic() < deadline, "the dead worker's leases never expired"
-            time.sleep(0.05)
+        with heard(lb):
+            worker = subprocess.Popen(
+                [sys.executable, "-c", DEAD_WORKER, url], stdout=subprocess.PIPE, text=True
+            )
+            assert worker.stdout is not None and worker.stdout.readline() == "holding\n"
+            worker.send_signal(signal.SIGKILL)  # the worker this function started
+            worker.wait(timeout=30)
+            deadline = time.monotonic() + 30
+            while lb.get_status()["holders"].get("awaiting_reclaim", 0) < 2:
+                assert time.monotonic() < deadline, "the dead worker's leases never expired"
+                time.sleep(0.05)
+            time.sleep(0.2)  # heard past its deadline: dead, not on probation, from now on
         yield
     finally:
         lb.close()

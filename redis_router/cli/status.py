@@ -161,8 +161,8 @@ def hints(snap: dict[str, Any]) -> list[str]:
     if probation > 0:
         left = holders.get("probation_ms", 0) / 1000
         out.append(
-            f"{probation} process(es) unheard since a pause of Redis are on probation for "
-            f"{left:.1f}s more (dead if not heard by then)"
+            f"{probation} process(es) unheard during a gap in heartbeats (a pause of Redis, or "
+            f"no process alive) are on probation for {left:.1f}s more"
         )
     return out
 
