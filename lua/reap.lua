@@ -4,13 +4,14 @@
 -- ARGV[2]  how long resent releases are recognised (ms)
 -- ARGV[3]  the caller's lease ttl (ms): a gap in what Redis heard is judged by it
 -- Returns  { leases reclaimed, entries examined, ms until the probation after a pause ends
---          while a holder on probation still has leases (0: none) }.
+--          while a holder on probation still has leases (0: none), and then how often (ms)
+--          a caller waiting it out must call so that Redis hears it through it }.
 -- Keeps    I1, I2: each lease of a dead holder is reclaimed exactly once, its count with it;
 --          a holder unheard only during a pause of Redis is on probation, not dead.
 -- Uses     lib/base, lib/admission, lib/leases
 local now = now_ms()
 rotate_ended(now, tonumber(ARGV[2]))
-local horizon, till = liveness(now, tonumber(ARGV[3]))
+local horizon, till, listen = liveness(now, tonumber(ARGV[3]))
 local reclaimed, examined = reap(horizon, tonumber(ARGV[1]))
 local limbo = 0
 if till > now then
@@ -23,4 +24,4 @@ if till > now then
     end
   end
 end
-return { reclaimed, examined, int(limbo) }
+return { reclaimed, examined, int(limbo), int(listen) }

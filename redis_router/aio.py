@@ -33,7 +33,6 @@ from .connection import (
 )
 from .core import (
     EJECTION_SLACK,
-    PROBATION_SLACK,
     RECLAIM_CALLS,
     WAIT_SLACK,
     Call,
@@ -44,6 +43,7 @@ from .core import (
     fields_per_request,
     new_token,
     new_tokens,
+    probation_wait,
 )
 from .errors import (
     NoCapacity,
@@ -422,12 +422,12 @@ class AsyncRedisLoadBalancer:
     async def _reclaim_for_place(self) -> bool:
         """See RedisLoadBalancer._reclaim_for_place."""
         core = self._core
-        reclaimed, limbo = await self._run(core.reap_all(RECLAIM_CALLS))
+        reclaimed, limbo, listen = await self._run(core.reap_all(RECLAIM_CALLS))
         waited = limbo > 0  # another process (or its own keeper) may reap meanwhile
         until = time.monotonic() + core.lease_ttl
         while reclaimed == 0 and limbo > 0 and time.monotonic() < until:
-            await asyncio.sleep(min(limbo + PROBATION_SLACK, core.heartbeat_every / 2))
-            reclaimed, limbo = await self._run(core.reap_all(RECLAIM_CALLS))
+            await asyncio.sleep(probation_wait(limbo, listen))
+            reclaimed, limbo, listen = await self._run(core.reap_all(RECLAIM_CALLS))
         return reclaimed > 0 or waited
 
     async def _block(self, key: str, timeout: float) -> None:

@@ -24,7 +24,6 @@ from .connection import (
 )
 from .core import (
     EJECTION_SLACK,
-    PROBATION_SLACK,
     RECLAIM_CALLS,
     WAIT_SLACK,
     Call,
@@ -35,6 +34,7 @@ from .core import (
     fields_per_request,
     new_token,
     new_tokens,
+    probation_wait,
 )
 from .errors import NoCapacity, RedisRouterError, RedisUnavailable, ReplicaEjected
 from .invoke import Sender
@@ -239,14 +239,14 @@ class RedisLoadBalancer:
         worker is not refused because of the leases its dead predecessor left. True if any
         lease was reclaimed or a probation waited out (the acquire is worth retrying)."""
         core = self._core
-        reclaimed, limbo = self._run(core.reap_all(RECLAIM_CALLS))
+        reclaimed, limbo, listen = self._run(core.reap_all(RECLAIM_CALLS))
         waited = limbo > 0  # another process (or its own keeper) may reap meanwhile
         # While it waits, it keeps Redis hearing it (a probation ends only once Redis has
         # listened through it), at most lease_ttl in all.
         until = time.monotonic() + core.lease_ttl
         while reclaimed == 0 and limbo > 0 and time.monotonic() < until:
-            time.sleep(min(limbo + PROBATION_SLACK, core.heartbeat_every / 2))
-            reclaimed, limbo = self._run(core.reap_all(RECLAIM_CALLS))
+            time.sleep(probation_wait(limbo, listen))
+            reclaimed, limbo, listen = self._run(core.reap_all(RECLAIM_CALLS))
         return reclaimed > 0 or waited
 
     def _wait_for_place(

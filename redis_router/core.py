@@ -774,20 +774,22 @@ class BalancerCore:
         return int((yield Call(load("drain" if draining else "undrain"), tuple(ids))))
 
     def reap(self) -> Op[int]:
+        """Reclaim the leases of the holders already dead (not those on probation)."""
         return (yield from self.reap_all())[0]
 
-    def reap_all(self, most: int | None = None) -> Op[tuple[int, float]]:
+    def reap_all(self, most: int | None = None) -> Op[tuple[int, float, float]]:
         """Reclaim the leases of dead holders, a chunk per call, up to ``most`` calls (None:
-        until done). Returns (leases reclaimed, seconds until the probation after a pause of
-        Redis ends while a holder unheard during it still has leases: 0.0 when none)."""
+        until done). Returns (leases reclaimed, seconds until the probation after a gap in
+        heartbeats ends while a holder unheard during it still has leases: 0.0 when none, and
+        how often in seconds a caller waiting it out must call again: see probation_wait)."""
         total, calls = 0, 0
         while True:
-            n, examined, limbo = yield Call(
+            n, examined, limbo, listen = yield Call(
                 load("reap"), (REAP_CHUNK, RESEND_WINDOW_MS, self.lease_ms)
             )
             total, calls = total + int(n), calls + 1
             if int(examined) < REAP_CHUNK or (most is not None and calls >= most):
-                return total, int(limbo) / 1000
+                return total, int(limbo) / 1000, int(listen) / 1000
 
     def request_owner(self, request_id: str) -> Op[str | None]:
         """The replica serving ``request_id`` now (a live lease), or None: whom to send an
@@ -900,3 +902,10 @@ class BalancerCore:
             "waiting": health.waiting_status(waiting),
             "replicas": replicas,
         }
+
+
+def probation_wait(limbo: float, listen: float) -> float:
+    """How long a caller waiting out a probation sleeps before calling again: never longer
+    than the probation has left, nor than Redis may go unheard without it counting as a gap
+    (which would extend the probation)."""
+    return max(0.001, min(limbo + PROBATION_SLACK, listen or limbo))

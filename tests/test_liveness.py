@@ -139,7 +139,7 @@ def test_acquires_reap_nothing_and_reaping_calls_are_bounded(make_lb, r):
     clock = invariants.prefix(lb.name) + "clock"
     r.hset(clock, "heard", secs * 1000 + micros // 1000)
     r.hdel(clock, "since", "till")
-    reclaimed, examined, limbo = r.eval(
+    reclaimed, examined, limbo, _ = r.eval(
         load("reap").source, 1, invariants.prefix(lb.name), REAP_CHUNK, 30000, 200
     )
     assert int(limbo) == 0

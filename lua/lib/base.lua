@@ -75,8 +75,9 @@ end
 -- the gap began was dead while Redis listened, and is reaped at once.
 -- P.."clock" fields: heard (ms), since (gap start) and till (probation end), short and long
 -- (lease ttls in use, ms) with the times they were last seen.
--- Returns the horizon: a holder whose deadline is at most this is dead; and the probation's
--- end (ms, 0 = none). `ttl` (the caller's lease ttl, ms) makes it write the clock: only
+-- Returns the horizon: a holder whose deadline is at most this is dead; the probation's end
+-- (ms, 0 = none); and the longest a caller may leave Redis unheard without it counting as a
+-- gap (a quarter of the shortest lease ttl in use, ms; 0 when none is known). `ttl` (the caller's lease ttl, ms) makes it write the clock: only
 -- scripts that may reap pass it; nil only reads (status, a waiter's check).
 local function liveness(now, ttl)
   local c = redis.call('HMGET', P .. 'clock', 'heard', 'since', 'till', 'short', 'short_at',
@@ -104,8 +105,9 @@ local function liveness(now, ttl)
       redis.call('HSET', P .. 'clock', 'since', int(since), 'till', int(till))
     end
   end
-  if till and till > now then return since, till end
-  return now, 0
+  local listen = (short or lim or 0) / 4
+  if till and till > now then return since, till, listen end
+  return now, 0, listen
 end
 
 -- The sorted set that holds id's count, or nil when id is not in the pool.

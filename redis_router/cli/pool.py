@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 from typing import Any
 
+from ..core import probation_wait
 from .common import Balancer, CliError, Handlers, config_key, open_balancer
 
 
@@ -132,13 +135,40 @@ def _sessions(args: argparse.Namespace) -> int:
 def _reap_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Reclaim now every lease of a worker process that died; each is reclaimed once, with "
-        "its in-flight count."
+        "its in-flight count. After a gap in heartbeats (a pause of Redis, or no process "
+        "alive) the processes unheard during it are on probation first."
+    )
+    parser.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait out such a probation (at most half the longest lease ttl in use), then reap",
     )
 
 
 def _reap(args: argparse.Namespace) -> int:
     with open_balancer(args) as b:
-        n = b.run(b.core().reap())
+        core = b.core()
+        n, limbo, listen = b.run(core.reap_all())
+        if limbo > 0 and args.wait:
+            # After a gap in heartbeats (a pause of Redis, or no process alive) the holders
+            # unheard during it are on probation: wait it out, calling so Redis hears this.
+            print(
+                f"waiting {limbo:.1f}s: processes unheard during a gap in heartbeats are on "
+                "probation",
+                file=sys.stderr,
+                flush=True,
+            )
+            until = time.monotonic() + limbo + 5.0
+            while limbo > 0 and time.monotonic() < until:
+                time.sleep(probation_wait(limbo, listen))
+                more, limbo, listen = b.run(core.reap_all())
+                n += more
+        elif limbo > 0:
+            print(
+                f"{limbo:.1f}s of probation left for processes unheard during a gap in "
+                "heartbeats: run again then, or with --wait",
+                file=sys.stderr,
+            )
     print(f"reclaimed {n} lease(s) of dead processes in balancer {b.name!r}")
     return 0
 
