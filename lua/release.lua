@@ -1,6 +1,7 @@
 -- release.lua: end one or more leases, in order.
 -- KEYS[1]  key prefix "rr:{NAME}:"
--- ARGV     quads: server id, request id or '', token or '', operation id (client-made,
+-- ARGV     quads: server id, request id or '' (or SEP..request id: see Which), token or '',
+--          operation id (client-made,
 --          unique per call, the same in a resent copy; "!"/"+" first: see Health). Which
 --          lease ends: see Which below.
 -- Returns  per quad: the token of the lease it ended, 1 if an earlier copy of this call
@@ -11,9 +12,11 @@
 --          copy reports the first one's result and never ends another lease.
 -- Which    With a token, that lease (the token decides the replica). With a request id, the
 --          oldest lease of that request on that replica; with neither, the oldest lease on
---          that replica. "?token" is a hint: the releasing process's own lease (of that
---          request, with a request id), ended if it is still there (no index lookup), else the
---          request's (the replica's) oldest lease there. The client learns the token it ended.
+--          that replica. "?token" with a request id is a hint: the releasing process's own
+--          lease of that request, ended if it is still there (no index lookup), else the
+--          request's oldest lease on that replica; with SEP..request id, the same hint, else
+--          the replica's oldest (a release by replica only that ends the process's own lease
+--          when it has one). The client learns the token it ended.
 -- Health   "!" first: the request failed, which counts toward ejecting its replica
 --          (lib/health.lua), once per lease; "+" first: it succeeded with ejection on, which
 --          ends the replica's failure streak.
@@ -27,14 +30,17 @@ if #ARGV > 4 then ended, unowned = {}, {} end
 
 local function release(id, req, token, op)
   local rec, toks
+  -- A request id after SEP: a release by replica only whose hint is the releasing process's
+  -- own lease of that request (checked as below); failing that, the replica's oldest.
+  local named = req
+  if string.byte(req) == 31 then named, req = string.sub(req, 2), '' end
   if token ~= '' then
     local hinted = string.byte(token) == 63 -- "?token": the releasing process's own lease
     if hinted then token = string.sub(token, 2) end
     rec = redis.call('HGET', P .. 'leases', token)
     -- A hint names a lease of that request on that replica (its token may since have been
-    -- granted again elsewhere, by a retry after the lease ended); without a request id, a
-    -- lease on that replica.
-    local field = hinted and rec and (req ~= '' and id .. SEP .. req .. SEP or id .. SEP)
+    -- granted again elsewhere, by a retry after the lease ended).
+    local field = hinted and rec and id .. SEP .. named .. SEP
     if field and string.sub(rec, 1, #field) ~= field then rec = nil end
     if not rec then
       -- Not a lease (any more): ended by an earlier copy of this call, or by another.

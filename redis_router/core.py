@@ -50,6 +50,9 @@ RESEND_WINDOW_MS = 30_000
 # Before a token in a release, marks it as a hint: the lease this holder took for that request
 # on that replica, ended if it is still there, else the request's oldest lease there is.
 HINT = "?"
+# Before a request id: a release by replica only, hinting the process's own lease of that
+# request (release.lua, Which).
+BY_REPLICA = "\x1f"
 # Sticky sessions live in time buckets of sticky_ttl / STICKY_BUCKETS: a session expires between
 # sticky_ttl and sticky_ttl * (1 + 1 / STICKY_BUCKETS) after its last turn.
 STICKY_BUCKETS = 4
@@ -577,7 +580,7 @@ class BalancerCore:
                         latest.pop(key, None)
                     held.pop(mine, None)
                     self.releasing.add(mine)
-                    return "", HINT + mine
+                    return BY_REPLICA + key[1], HINT + mine
             return "", ""
         return request_id or "", self._token_named(server_id, request_id, token)
 

@@ -688,11 +688,14 @@ class BalancerMachine(RuleBasedStateMachine):
         """A release by replica only ends the process's own lease there when its ledger has
         one still there, else the replica's oldest."""
         core = p.lb._core
-        mine = next(
-            (t for (s, _), t in core.latest.copy().items() if s == sid and t in core.held), None
+        rid, mine = next(
+            ((r, t) for (s, r), t in core.latest.copy().items() if s == sid and t in core.held),
+            (None, None),
         )
         lease = self.model.leases.get(mine) if mine else None
-        if lease is None or lease.server_id != sid:
+        # The hint holds while the token is a lease of that request there (whoever holds it:
+        # a token can be granted again by a retry); else the replica's oldest ends.
+        if lease is None or (lease.server_id, lease.request_id) != (sid, rid):
             self._release_oldest(sid, release())
             return
         assert release()

@@ -116,6 +116,10 @@ class AsyncMachine(BalancerMachine):
                     coros.append(lb.release_server(sid, rid))
             return await asyncio.gather(*coros, return_exceptions=True)
 
+        # The process's ledger as the turn starts: a release by replica only hints its own
+        # lease of a request there, which may be another holder's by now (a token granted
+        # again by a retry).
+        self.ledger = dict(lb._core.latest)
         outcomes, t0, t1 = self._call(self.loop.run, turn())
         self.stats.operations += len(calls) - 1
         self.stats.batches += 1
@@ -172,7 +176,7 @@ class AsyncMachine(BalancerMachine):
         for at in range(n + 2):  # the release batch runs before acquire call number `at`
             models = [self.model.copy()]
             if at == 0:
-                models = _released(models, releases, got_releases, p.holder)
+                models = _released(models, releases, got_releases, p.holder, self.ledger)
             for m in models:
                 try:
                     refused = call(m, list(range(n)))
@@ -180,14 +184,14 @@ class AsyncMachine(BalancerMachine):
                     continue
                 if not refused:
                     if at == 1:
-                        out += _released([m], releases, got_releases, p.holder)
+                        out += _released([m], releases, got_releases, p.holder, self.ledger)
                     elif at == 0:
                         out.append(m)
                     continue
                 branch = [m]
                 for k in range(n):  # refused whole: retried one by one
                     if at == k + 1:
-                        branch = _released(branch, releases, got_releases, p.holder)
+                        branch = _released(branch, releases, got_releases, p.holder, self.ledger)
                     kept = []
                     for b in branch:
                         try:
@@ -197,7 +201,7 @@ class AsyncMachine(BalancerMachine):
                         kept.append(b)
                     branch = kept
                 if at == n + 1:
-                    branch = _released(branch, releases, got_releases, p.holder)
+                    branch = _released(branch, releases, got_releases, p.holder, self.ledger)
                 out += branch
         return out
 
@@ -211,6 +215,7 @@ def _released(
     releases: list[tuple[str, str, str | None, str | None]],
     got: list[Any],
     holder: str,
+    ledger: dict[tuple[str, str], str],
 ) -> list[Model]:
     """Apply the release batch, in order, to each model; a release by replica only, or by
     request id (each names the releasing balancer's own lease, if it has one), branches
@@ -226,6 +231,13 @@ def _released(
                     m.request_candidates(sid, rid, holder)
                     if kind == "request"
                     else m.server_candidates(sid, holder)
+                    | {
+                        t
+                        for (s, r), t in ledger.items()
+                        if s == sid
+                        and t in m.leases
+                        and (m.leases[t].server_id, m.leases[t].request_id) == (s, r)
+                    }
                 )
                 if done != bool(candidates):
                     continue
