@@ -99,9 +99,12 @@ needs_server = pytest.mark.skipif(BINARY is None, reason="no server binary found
 
 @pytest.fixture(scope="module")
 def fuzz_server() -> Iterator[LocalServer]:
+    """Persistent (AOF, written through on shutdown), so that a restart keeps every key."""
     assert BINARY is not None
-    with LocalServer(BINARY) as s:
+    with LocalServer(BINARY, persistent=True, args=("--appendfsync", "everysec")) as s:
+        BalancerMachine.server = s
         yield s
+        BalancerMachine.server = None
 
 
 @dataclass
@@ -114,6 +117,7 @@ class Stats:
     reclaimed: int = 0
     pauses: int = 0  # waits past lease_ttl with leases held
     server_pauses: int = 0  # the server stopped (SIGSTOP) past lease_ttl
+    restarts: int = 0  # the server restarted (persistent) after being down past lease_ttl
     stalls: int = 0  # calls made while the server was stalled past the client's timeout
     resent: int = 0  # ... that timed out and were sent again
     drops: int = 0  # connections closed between calls
@@ -128,7 +132,8 @@ class Stats:
             f"{self.operations} operations in {self.sequences} sequences; "
             f"{self.deaths} deaths, {self.closes} closes, {self.reclaimed} leases reclaimed in "
             f"{self.reclaims} reclaims, {self.pauses} pauses past lease_ttl, "
-            f"{self.server_pauses} server pauses past lease_ttl, {self.stalls} "
+            f"{self.server_pauses} server pauses and {self.restarts} restarts past lease_ttl, "
+            f"{self.stalls} "
             f"calls under a stall past the client timeout ({self.resent} resent), "
             f"{self.kills} connections killed while their command waited, {self.drops} "
             f"dropped between calls, {self.batches} coalesced gathers; {self.ejections} "
@@ -308,6 +313,7 @@ def _pick(items: list[str], index: int) -> str | None:
 
 class BalancerMachine(RuleBasedStateMachine):
     url = ""
+    server: LocalServer | None = None  # the fuzz server, which the restart rule restarts
     router = "core"  # "core" | "least_tokens" | "prefix_cache"
     name_prefix = "fz"
     stats = Stats()
@@ -816,6 +822,19 @@ class BalancerMachine(RuleBasedStateMachine):
             os.kill(pid, signal.SIGCONT)
         time.sleep(LEASE_TTL)  # the probation, and the keepers heard again: no lease went
         self.stats.server_pauses += 1
+
+    @rule()
+    def the_server_restarts_past_lease_ttl(self) -> None:
+        """A persistent restart (AOF) that keeps the server down longer than lease_ttl: every
+        key comes back, the holders are on probation, and no live lease goes."""
+        if self.server is None or not self._due("restarts", SERVER_PAUSE_EVERY):
+            return
+        self._ready(SERVER_PAUSE + LEASE_TTL + 2.0 + STEP)
+        self.server.stop()
+        time.sleep(SERVER_PAUSE)
+        self.server.start()
+        time.sleep(LEASE_TTL)  # the probation, and the keepers heard again: no lease went
+        self.stats.restarts += 1
 
     @rule(who=st.integers(0, 7))
     def connections_drop_between_calls(self, who: int) -> None:
