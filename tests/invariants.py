@@ -109,3 +109,22 @@ def fair(counts: dict[str, int], total: int, replicas: int, sds: float = 5.0) ->
     mean = total / replicas
     sd = (total * (1 / replicas) * (1 - 1 / replicas)) ** 0.5
     return len(counts) == replicas and all(abs(c - mean) <= sds * sd for c in counts.values())
+
+
+def listen(lb: Any, seconds: float, ttl_ms: int = 500) -> None:
+    """For ``seconds``, heartbeats of a holder that owns and reaps nothing (budget 0), every
+    20 ms: Redis hears a living process meanwhile, as when other workers' keepers beat, so a
+    silenced holder whose deadline passes is dead rather than on probation (a stretch in which
+    nobody is heard looks to Redis like a pause of its own)."""
+    import time
+
+    from redis_router.core import RESEND_WINDOW_MS, Call
+    from redis_router.scripts import load
+
+    c = lb._core
+    args = (f"{c.holder}-listener", ttl_ms, c.sticky_ms, c.max_age_ms, RESEND_WINDOW_MS, 0,
+            *c.routing, c.ejection)  # fmt: skip
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        lb._exec(Call(load("heartbeat"), args))
+        time.sleep(0.02)

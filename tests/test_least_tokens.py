@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -136,7 +135,7 @@ def test_reclaimed_leases_take_their_weight_with_them(make_lt, r):
         lb.acquire_server(f"lost-{i}", prompt_ids=prompt(100 * (i + 1)))
     assert sum(check_weights(r, lb.name).values()) == 1500
     invariants.silence(lb)  # its process "died": no more heartbeats
-    time.sleep(0.7)
+    invariants.listen(lb, 0.7)  # other workers are heard meanwhile: it is dead
     assert lb.reap() == 5
     assert check_weights(r, lb.name) == dict.fromkeys(SERVERS, 0)
 

@@ -83,8 +83,9 @@ def test_a_plugin_written_from_the_readme_is_used_by_coalesced_asyncio_calls(plu
         assert lease.server_id == "s1" and await lease.release()
         many = await alb.acquire_many(["m1", "m2"], prefer=["s3", "s0"])
         assert [sid for sid, _ in many] == ["s3", "s0"]
+        counts = invariants.check(r, "readme-aio")
         await alb.close()
         lb.close()
-        return invariants.check(r, "readme-aio")
+        return counts
 
     assert asyncio.run(main()) == {"s0": 7, "s1": 6, "s2": 6, "s3": 7}
