@@ -491,7 +491,7 @@ def _balance(b: Bench) -> list[Row]:
                     **contenders[name](i),
                     "workload": "balance",
                     "seconds": b.sizes.bal_seconds,
-                    "seed": rep * 100 + i,
+                    "seed": f"balance:{rep}:{name}:{i}",
                 }
                 for i in range(INSTANCES)
             ]
@@ -556,7 +556,7 @@ def _grpo(b: Bench) -> list[Row]:
                     **contenders[name](i, rep),
                     "workload": "grpo",
                     "groups": b.sizes.groups,
-                    "seed": 10_000 + rep * 100 + i,
+                    "seed": f"grpo:{rep}:{name}:{i}",
                 }
                 for i in range(INSTANCES)
             ]
@@ -607,12 +607,12 @@ async def _multiturn(b: Bench) -> list[Row]:
     ac = AsyncClient()
     path = "/v1/completions"
 
-    async def sessions(send: Callable[[str, int, list[int]], Any], rep: int) -> None:
-        rng = random.Random(20_000 + rep)
+    async def sessions(send: Callable[[str, int, list[int]], Any], seed: str) -> None:
+        rng = random.Random(seed)  # prompts of their own: no gateway saw them in another row
         firsts = [_tokens(rng, MT_FIRST) for _ in range(b.sizes.sessions)]
 
         async def session(s: int) -> None:
-            sid = f"s{rep}-{s}-{uuid.uuid4().hex[:8]}"
+            sid = f"s{s}-{uuid.uuid4().hex}"
             prompt = list(firsts[s])
             for turn in range(b.sizes.turns):
                 await send(sid, s + turn, prompt)
@@ -662,7 +662,7 @@ async def _multiturn(b: Bench) -> list[Row]:
         for name in _rotated(list(contenders), rep):
             b.replicas.reset()
             try:
-                await sessions(contenders[name], rep)
+                await sessions(contenders[name], f"multiturn:{rep}:{name}")
             except Exception as exc:
                 failed[name] = _why(exc)
                 got[name].append(math.nan)
