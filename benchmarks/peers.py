@@ -35,6 +35,7 @@ import multiprocessing
 import os
 import platform
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -877,6 +878,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     g.stop()
             pool.shutdown()
             replicas.close()
+    if not any(g.error and g.log_path for insts in gateways.values() for g in insts):
+        shutil.rmtree(logs, ignore_errors=True)  # kept when a gateway failed: its log says why
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
         "machine": _machine(),

@@ -131,11 +131,20 @@ class Gateway:
         self.proc = None
 
 
-def start(spec: GatewaySpec, worker_urls: list[str], log_dir: Path, index: int) -> Gateway:
-    """Start one instance and wait (bounded) until it proxies a completion to the replicas."""
+def start(
+    spec: GatewaySpec,
+    worker_urls: list[str],
+    log_dir: Path,
+    index: int,
+    python: Path | None = None,
+    ready_within: float = 60.0,
+) -> Gateway:
+    """Start one instance (with ``python``, default the gateways' env) and wait, at most
+    ``ready_within`` seconds, until it proxies a completion to the replicas."""
+    python = python or env_python()
     port = free_port()
     cmd = [
-        str(env_python()),
+        str(python),
         "-m",
         *spec.module,
         "--host",
@@ -153,16 +162,20 @@ def start(spec: GatewaySpec, worker_urls: list[str], log_dir: Path, index: int) 
     ]
     gw = Gateway(spec, url=f"http://{HOST}:{port}")
     gw.log_path = str(log_dir / f"{spec.dist}-{index}.log")
-    with open(gw.log_path, "wb") as log:
-        gw.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": "error"}
-        )
-    deadline = time.monotonic() + 60
+    try:
+        with open(gw.log_path, "wb") as log:
+            gw.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": "error"}
+            )
+    except OSError as exc:
+        gw.error = f"cannot start {python}: {exc}"
+        return gw
+    deadline = time.monotonic() + ready_within
     last = ""
     while time.monotonic() < deadline:
         if gw.proc.poll() is not None:
             tail = Path(gw.log_path).read_text(errors="replace").strip().splitlines()[-3:]
-            gw.error = f"exited with {gw.proc.returncode}: {' | '.join(tail)[:300]}"
+            gw.error = f"exited with {gw.proc.returncode}: {' | '.join(tail)[-300:]}"
             gw.proc = None
             return gw
         try:
@@ -174,7 +187,7 @@ def start(spec: GatewaySpec, worker_urls: list[str], log_dir: Path, index: int) 
             last = str(exc)
         time.sleep(0.2)
     gw.stop()
-    gw.error = f"not ready within 60 s ({last})"
+    gw.error = f"not ready within {ready_within:g} s ({last})"
     return gw
 
 

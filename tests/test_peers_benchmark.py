@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import peers_gateways
+from benchmarks import peers, peers_gateways
 from benchmarks.peers_http import BLOCK, AsyncClient, FakeReplicas, completion_body
 from redis_router.local_server import first_server_binary
 
@@ -140,8 +140,11 @@ def test_fake_replica_counts_prefix_hits_and_in_flight() -> None:
         async def send() -> None:
             client = AsyncClient()
             url = replicas.urls[0]
-            for prompt in (tokens, tokens, other):
+            for prompt in (tokens, tokens):
                 await client.post(url, "/v1/completions", completion_body(" ".join(prompt)))
+            chat = {"model": "m", "messages": [{"role": "user", "content": " ".join(other)}]}
+            out = await client.post(url, "/v1/chat/completions", json.dumps(chat).encode())
+            assert json.loads(out)["choices"][0]["message"]["role"] == "assistant"
             replicas.configure(service_ms=20)
             await asyncio.gather(
                 *(client.post(url, "/v1/completions", completion_body("x")) for _ in range(4))
@@ -157,3 +160,17 @@ def test_fake_replica_counts_prefix_hits_and_in_flight() -> None:
         assert stats["inflight_area"] >= 4 * 0.020 * 0.9  # sleeps last at least their time
     finally:
         replicas.close()
+
+
+def test_gateway_that_cannot_start_is_a_row_saying_why(tmp_path: Path) -> None:
+    """A gateway whose module is missing exits; start() reports why instead of raising, and
+    the table prints its row with the reason and no number."""
+    spec = peers_gateways.GatewaySpec("nope round_robin", "nope", "0.*", ("no_such_gw",), "x")
+    gw = peers_gateways.start(spec, ["http://127.0.0.1:9"], tmp_path, 0, Path(sys.executable))
+    assert gw.proc is None
+    assert gw.error.startswith("exited with 1") and "no_such_gw" in gw.error
+    row = peers._error_row("latency", spec.label, gw.error, ("added_p50_us", "added_p99_us"))
+    line = next(x for x in peers.tables([row]).splitlines() if x.startswith(spec.label))
+    assert "not run: exited with 1" in line and line.split()[2:4] == ["-", "-"]
+    missing = peers_gateways.start(spec, [], tmp_path, 1, tmp_path / "no-python")
+    assert missing.error.startswith("cannot start") and missing.proc is None
