@@ -37,6 +37,7 @@ import platform
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -776,12 +777,33 @@ def _versions(redis_url: str, gateway_versions: dict[str, str]) -> dict[str, str
         "redis-router": importlib.metadata.version("llm-redis-router")
         if _has_dist("llm-redis-router")
         else "unknown",
+        "revision": _revision(),
         "redis-py": redis.__version__,
         "server": f"{server} {info.get('valkey_version') or info.get('redis_version')}",
         "python": platform.python_version(),
     }
     out.update(gateway_versions)
     return out
+
+
+def _revision() -> str:
+    """The checkout's commit (and '+' when the work tree differs), or 'unknown'."""
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(gws.ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(gws.ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+    return (rev + ("+" if dirty else "")) or "unknown"
 
 
 def _has_dist(name: str) -> bool:
@@ -798,7 +820,9 @@ def _machine() -> str:
 
 def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.peers", description=__doc__.split("\n\n")[1]
+        prog="python -m benchmarks.peers",
+        description="redis-router side by side with vllm-router, sglang-router and smg on fake "
+        "OpenAI-compatible replicas: added latency, throughput, balance, prefix-cache hit rate.",
     )
     p.add_argument("--quick", action="store_true", help="tiny sizes (seconds): the smoke test")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
