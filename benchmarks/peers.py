@@ -409,7 +409,7 @@ async def _worker_main(job: dict[str, Any]) -> int:
                 await one(_tokens(rng, 8), ms)
                 done += 1
 
-        await asyncio.gather(*(loop() for _ in range(BAL_CONCURRENCY)))
+        await asyncio.gather(*(loop() for _ in range(job["concurrency"])))
     else:  # grpo: groups one after another, the samples of a group at once
         for _ in range(job["groups"]):
             prompt = _tokens(rng, GRPO_PROMPT)
@@ -481,6 +481,12 @@ def _balance_contenders(
 
 
 def _balance(b: Bench) -> list[Row]:
+    """Dense (8 concurrent per process) then sparse (2 per process: 8 in flight on 8 replicas,
+    where a router that sees only its own requests stacks them on the same idle replicas)."""
+    return _balance_at(b, BAL_CONCURRENCY, "balance") + _balance_at(b, 2, "balance_sparse")
+
+
+def _balance_at(b: Bench, concurrency: int, measure: str) -> list[Row]:
     b.replicas.configure(0, 1.0)
     contenders, errors = _balance_contenders(b)
     got: dict[str, list[float]] = {k: [] for k in contenders}
@@ -492,8 +498,9 @@ def _balance(b: Bench) -> list[Row]:
                 {
                     **contenders[name](i),
                     "workload": "balance",
+                    "concurrency": concurrency,
                     "seconds": b.sizes.bal_seconds,
-                    "seed": f"balance:{rep}:{name}:{i}",
+                    "seed": f"{measure}:{rep}:{name}:{i}",
                 }
                 for i in range(INSTANCES)
             ]
@@ -510,7 +517,7 @@ def _balance(b: Bench) -> list[Row]:
     b.replicas.configure(0, 0)
     rows = [
         Row(
-            "balance",
+            measure,
             k,
             {"max_over_mean": _med(v), "req_per_s": _med(rates[k])},
             f"failed: {failed[k]}" if k in failed else "",
@@ -519,7 +526,7 @@ def _balance(b: Bench) -> list[Row]:
         for k, v in got.items()
     ]
     rows += [
-        _error_row("balance", f"{k}, one per process", v, ("max_over_mean",))
+        _error_row(measure, f"{k}, one per process", v, ("max_over_mean",))
         for k, v in errors.items()
     ]
     return rows
@@ -703,8 +710,9 @@ TITLES = {
     "latency": "(1) added latency per request, 1 client, replicas answer at once (us)",
     "throughput_0ms": "(2) throughput, 32 concurrent asyncio clients, 0 ms service",
     "throughput_20ms": "(2) throughput, 32 concurrent asyncio clients, 20 ms service",
-    "balance": "(3) balance, 4 client processes x 8 concurrent requests, 4 independent routers: "
-    "time-weighted in-flight per replica, max / mean",
+    "balance": f"(3) balance, 4 client processes x {BAL_CONCURRENCY} concurrent requests, 4 "
+    "independent routers: time-weighted in-flight per replica, max / mean",
+    "balance_sparse": "(3) the same, sparse: 4 client processes x 2 concurrent requests",
     "prefix_multiturn": f"(4a) prefix-cache token hit rate, multi-turn sessions roaming between "
     f"router instances ({MT_FIRST}-token first prompt, +{MT_TURN} per turn)",
     "prefix_grpo": f"(4b) prefix-cache token hit rate, GRPO groups of {GROUP} samples of a "

@@ -27,6 +27,7 @@ MEASURES = {
     "throughput_0ms",
     "throughput_20ms",
     "balance",
+    "balance_sparse",
     "prefix_multiturn",
     "prefix_grpo",
 }
@@ -62,7 +63,7 @@ def _check_printed_rows(stdout: str, data: dict[str, Any]) -> None:
             assert "-" not in cells, line
     for row in data["rows"]:
         v = row["values"]
-        if row["measure"] == "balance":
+        if row["measure"].startswith("balance"):
             assert v["max_over_mean"] >= 1.0 and v["req_per_s"] > 0
         elif row["measure"].startswith("prefix"):
             assert 0.0 <= v["hit_rate_pct"] <= 100.0
@@ -90,6 +91,7 @@ def test_quick_run_prints_finite_redis_router_rows(tmp_path: Path) -> None:
         ("throughput_0ms", "redis-router asyncio"),
         ("throughput_20ms", "redis-router asyncio"),
         ("balance", "redis-router, 4 processes on one Redis"),
+        ("balance_sparse", "redis-router, 4 processes on one Redis"),
         ("prefix_grpo", "redis-router prefix_cache, shipped defaults"),
         ("prefix_grpo", "redis-router prefix_cache, abs 64 / rel 1.5"),
     ]:
