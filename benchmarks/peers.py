@@ -192,7 +192,10 @@ async def _latency(b: Bench) -> list[Row]:
             await alb.release_server(sid, rid)
 
     sync_fns: dict[str, Callable[[], None]] = {LAT_SYNC_DIRECT: direct, "redis-router sync": routed}
-    async_fns = {LAT_ASYNC_DIRECT: adirect, "redis-router asyncio": arouted}
+    async_fns: dict[str, Callable[[], Any]] = {
+        LAT_ASYNC_DIRECT: adirect,
+        "redis-router asyncio": arouted,
+    }
     base = {"redis-router sync": LAT_SYNC_DIRECT, "redis-router asyncio": LAT_ASYNC_DIRECT}
     errors: dict[str, str] = {}
     for label in b.gateways:
@@ -203,6 +206,8 @@ async def _latency(b: Bench) -> list[Row]:
         gurl = b.gateways[label][0].url
         sync_fns[label] = lambda gurl=gurl: sc.post(gurl, path, body)  # type: ignore[misc]
         base[label] = LAT_SYNC_DIRECT
+        async_fns[f"{label}, asyncio client"] = lambda gurl=gurl: ac.post(gurl, path, body)
+        base[f"{label}, asyncio client"] = LAT_ASYNC_DIRECT
     names = [*sync_fns, *async_fns]
     samples: dict[str, list[tuple[float, float]]] = {k: [] for k in names}  # (p50, p99) per rep
     failed: dict[str, str] = {}
@@ -241,7 +246,11 @@ async def _latency(b: Bench) -> list[Row]:
             vals["added_p99_us"] = _med(
                 [(s[1] - r[1]) * 1e6 for s, r in zip(samples[name], ref, strict=True)]
             )
-        note = f"vs {base[name]}" if name in base else "baseline"
+        note = (
+            ("vs sync direct" if base[name] == LAT_SYNC_DIRECT else "vs asyncio direct")
+            if name in base
+            else "baseline"
+        )
         note = f"failed: {failed[name]}" if name in failed else note
         rows.append(Row("latency", name, vals, note, {"p50_us": p50, "p99_us": p99}))
     rows += [
