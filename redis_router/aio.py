@@ -669,15 +669,7 @@ class AsyncRedisLoadBalancer:
             try:
                 await self._run(self._core.retire())
             except (RedisRouterError, rx.RedisError) as exc:
-                # Unreachable, or refusing writes (out of memory): the holder's leases go once
-                # its deadline passes, as a dead process's.
-                log.warning(
-                    "balancer %r: close() could not end this process's leases now (%s); they "
-                    "are reclaimed within lease_ttl=%gs",
-                    self.name,
-                    type(exc).__name__,
-                    self._core.lease_ttl,
-                )
+                keeper.report_close_failed(self._core, exc)
         if self._owns_client:
             await self._client.aclose()
 

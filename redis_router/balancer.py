@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import random
 import threading
 import time
@@ -39,8 +38,6 @@ from .core import (
 from .errors import NoCapacity, RedisRouterError, RedisUnavailable, ReplicaEjected
 from .invoke import Sender
 from .policy import LeastLoaded, RoutingPolicy
-
-log = logging.getLogger("redis_router")
 
 
 class Lease:
@@ -487,15 +484,7 @@ class RedisLoadBalancer:
             try:
                 self._run(self._core.retire())
             except (RedisRouterError, rx.RedisError) as exc:
-                # Unreachable, or refusing writes (out of memory): the holder's leases go once
-                # its deadline passes, as a dead process's.
-                log.warning(
-                    "balancer %r: close() could not end this process's leases now (%s); they "
-                    "are reclaimed within lease_ttl=%gs",
-                    self.name,
-                    type(exc).__name__,
-                    self._core.lease_ttl,
-                )
+                keeper.report_close_failed(self._core, exc)
         if self._owns_client:
             self._client.close()
 

@@ -166,6 +166,18 @@ def _failures(lb: Any) -> Failures:
     return failures
 
 
+def report_close_failed(core: BalancerCore, exc: BaseException) -> None:
+    """close() could not end the leases (Redis unreachable, or refusing writes): they go once
+    the holder's deadline passes, as a dead process's."""
+    log.warning(
+        "balancer %r: close() could not end this process's leases now (%s); they are reclaimed "
+        "within lease_ttl=%gs",
+        core.name,
+        type(exc).__name__,
+        core.lease_ttl,
+    )
+
+
 def report_healed(core: BalancerCore, healed: tuple[int, int]) -> None:
     dropped, fixed = healed
     if dropped or fixed:
