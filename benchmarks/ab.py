@@ -10,6 +10,8 @@ Measured per run, as the benchmark's rows (1) and (5) do:
 
 - ``pair``: one process, sync, acquire + release with a new request id each time; wall time
   per pair, and the Redis server time per pair (``INFO commandstats``, every command);
+- ``apair``: the same with an asyncio balancer, one session (the release not awaited, as a
+  caller that goes on does): wall time and the process's CPU time per pair;
 - ``throughput``: 4 processes x 8 asyncio sessions (coalesced, then ``coalesce=False``);
   pairs per second, the processes' own CPU time per pair, and Redis's CPU time per pair
   (``INFO cpu``): on a machine whose cores the clients share with Redis, their sum is what
@@ -66,6 +68,24 @@ for rid in ids[200:]:
     lb.release_server(lb.acquire_server(rid)[0], rid)
 print(json.dumps((time.perf_counter() - t) / n))
 lb.close()
+"""
+
+_APAIR = """
+import asyncio, json, sys, time, uuid
+from redis_router import AsyncRedisLoadBalancer
+url, name, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+async def main():
+    async with AsyncRedisLoadBalancer(redis=url, name=name) as lb:
+        ids = [uuid.uuid4().hex for _ in range(n + 200)]
+        for rid in ids[:200]:  # warm: connections, scripts loaded
+            lb.release_server((await lb.acquire_server(rid))[0], rid)
+        t, cpu = time.perf_counter(), time.process_time()
+        for rid in ids[200:]:
+            lb.release_server((await lb.acquire_server(rid))[0], rid)
+        return (time.perf_counter() - t) / n, (time.process_time() - cpu) / n
+
+print(json.dumps(asyncio.run(main())))
 """
 
 _WORKER = """
@@ -125,6 +145,12 @@ def pair(tree: Path, r: redis.Redis, url: str, n: int) -> dict[str, float]:
     return {"pair_us": wall * 1e6, "pair_redis_us": usec / n}
 
 
+def apair(tree: Path, url: str, n: int) -> dict[str, float]:
+    proc = _python(tree, _APAIR, url, NAME, str(n), stdout=subprocess.PIPE)
+    wall, cpu = json.loads(proc.communicate()[0])
+    return {"apair_us": wall * 1e6, "apair_client_cpu_us": cpu * 1e6}
+
+
 def throughput(
     tree: Path, r: redis.Redis, url: str, seconds: float, coalesce: bool
 ) -> dict[str, float]:
@@ -158,6 +184,7 @@ def throughput(
 
 def measure(tree: Path, r: redis.Redis, url: str, args: argparse.Namespace) -> dict[str, float]:
     out = pair(tree, r, url, args.pairs)
+    out.update(apair(tree, url, args.pairs))
     out.update(throughput(tree, r, url, args.seconds, True))
     out.update(throughput(tree, r, url, args.seconds, False))
     return out

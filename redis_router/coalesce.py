@@ -7,16 +7,27 @@ together with every call made before then; calls made while that batch is in fli
 next one (acquire.lua and release.lua take many requests, with the result of running them one
 after another in arrival order). Nothing waits for a timer, a lone call costs one loop turn,
 and under load one round trip serves every session that is ready.
+
+Given a ``write`` (the asyncio balancer's ordered connection, redis_router.direct), a batch is
+written by a plain callback rather than a task, its outcomes are handed back from where its
+reply is read, and the next batch is written there and then: no task step stands between a
+call, its round trip and its caller.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
+
+# ``write(items, done)`` writes one batch now and returns True, having arranged for ``done``
+# to be called once with one outcome per item (or an exception for all of them); or returns
+# False, and ``done`` is never called: the batch goes by ``send`` instead.
+Outcomes = list[Result | BaseException] | BaseException
 
 # Calls per script call: well under the batch limit, and short enough that one batch never
 # holds the server for long.
@@ -36,25 +47,74 @@ class Coalescer(Generic[Item, Result]):
         self,
         send: Callable[[list[Item]], Awaitable[list[Result | BaseException]]],
         orphan: Callable[[Item, Result], None] | None = None,
+        write: Callable[[list[Item], Callable[[Outcomes[Result]], None]], bool] | None = None,
     ) -> None:
-        self._send, self._orphan = send, orphan
+        self._send, self._orphan, self._write = send, orphan, write
         self._queue: list[tuple[Item, asyncio.Future[Result]]] = []
         self._flusher: asyncio.Future[None] | None = None
+        # A batch written by ``write`` is in flight, or its write is scheduled.
+        self._writing = False
 
     async def submit(self, item: Item) -> Result:
-        fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        return await self.put(item)
+
+    def put(self, item: Item) -> asyncio.Future[Result]:
+        """Queue ``item`` now (in arrival order with every other call) and return the future
+        of its outcome, for a caller that need not wait for it."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Result] = loop.create_future()
         self._queue.append((item, fut))
+        if self._flusher is None and not self._writing:
+            if self._write is not None:
+                self._writing = True
+                loop.call_soon(self._write_next)
+            else:
+                self._flusher = asyncio.ensure_future(self._flush())
+        return fut
+
+    def _write_next(self) -> None:
+        """Write the next batch with ``write``; when it cannot, the task flusher sends it."""
+        assert self._write is not None
+        batch = self._take()
+        if not batch:
+            self._writing = False
+            return
+        done = functools.partial(self._written, batch)
+        try:
+            if self._write([item for item, _ in batch], done):
+                return
+        except Exception as exc:  # the batch's own failure: its callers get it
+            self._written(batch, exc)
+            return
+        self._writing = False
+        self._queue[:0] = batch  # first in line again, for the flusher
         if self._flusher is None:
             self._flusher = asyncio.ensure_future(self._flush())
-        return await fut
+
+    def _written(
+        self, batch: list[tuple[Item, asyncio.Future[Result]]], outcomes: Outcomes[Result]
+    ) -> None:
+        if isinstance(outcomes, BaseException):
+            outcomes = [outcomes] * len(batch)
+        self._settle(batch, outcomes)
+        self._writing = False
+        if self._queue and self._flusher is None:  # the calls made meanwhile: now
+            self._writing = True
+            self._write_next()
+
+    def _take(self) -> list[tuple[Item, asyncio.Future[Result]]]:
+        """The next batch of callers still waiting (empty when none is left)."""
+        while self._queue:
+            batch = [(i, f) for i, f in self._queue[:MAX_BATCH] if not f.cancelled()]
+            del self._queue[:MAX_BATCH]
+            if batch:
+                return batch
+        return []
 
     async def _flush(self) -> None:
         try:
-            while self._queue:
-                batch = [(i, f) for i, f in self._queue[:MAX_BATCH] if not f.cancelled()]
-                del self._queue[:MAX_BATCH]
-                if batch:
-                    await self._run(batch)
+            while batch := self._take():
+                await self._run(batch)
         finally:
             self._flusher = None
             for _, fut in self._queue:  # only when the flusher itself was cancelled
@@ -70,6 +130,13 @@ class Coalescer(Generic[Item, Result]):
             raise
         except Exception as exc:
             outcomes = [exc] * len(batch)
+        self._settle(batch, outcomes)
+
+    def _settle(
+        self,
+        batch: list[tuple[Item, asyncio.Future[Result]]],
+        outcomes: list[Result | BaseException],
+    ) -> None:
         for (item, fut), outcome in zip(batch, outcomes, strict=True):
             if fut.cancelled():
                 if self._orphan is not None and not isinstance(outcome, BaseException):

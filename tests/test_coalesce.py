@@ -88,6 +88,7 @@ def test_a_caller_cancelled_before_its_batch_is_sent_takes_nothing(server, r):
                 await gate.wait()
                 return await send(call)
 
+            lb._pipe = None  # coalesced calls go through _exec, which the test holds
             lb._exec = held  # type: ignore[method-assign]
             first = asyncio.ensure_future(lb.acquire_server("first"))
             await asyncio.sleep(0.05)  # first is in flight, held at the gate
@@ -116,6 +117,7 @@ def test_a_caller_cancelled_after_its_batch_was_sent_leaks_no_lease(server, r):
                 await gate.wait()
                 return reply
 
+            lb._pipe = None  # coalesced calls go through _exec, which the test holds
             lb._exec = reply_held  # type: ignore[method-assign]
             waiter = asyncio.ensure_future(lb.acquire_server("gone"))
             await asyncio.sleep(0.1)

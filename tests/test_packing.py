@@ -25,6 +25,9 @@ ARGS: list[tuple[Any, ...]] = [
     ("SCRIPT LOAD", "return 1"),  # a command name of two words is split, as redis-py does
     ("CLIENT", "SETNAME", "x" * 7000),  # past redis-py's 6000-byte buffer cutoff
     ("HSET", "k", memoryview(b"view"), bytearray(b"array")),
+    ("SET", "big", 2**70, -(2**65), 0, -1),  # integers past 64 bits, negatives
+    (b"GET", "k"),  # a command name given as bytes
+    (b"SCRIPT LOAD", "return 1"),  # two words as bytes, split as well
 ]
 # Packing in C is hiredis's; [test] and [hiredis] install it, and the balancer works without it
 # (test_asyncio_clients_get_it_sync_clients_already_have_it checks that case).
@@ -61,10 +64,8 @@ def test_refuses_what_redis_py_refuses(bad: Any) -> None:
 )
 def test_asyncio_clients_get_it_sync_clients_already_have_it(url: str, base: type) -> None:
     made = connect(url, asyncio=True).connection_pool.connection_class
-    if HIREDIS_AVAILABLE:
-        assert made is not base and issubclass(made, base) and made.packs_in_c
-    else:
-        assert made is base  # without hiredis nothing changes
+    assert made is not base and issubclass(made, base) and made.writes_without_task
+    assert made.packs_in_c is HIREDIS_AVAILABLE  # without hiredis redis-py packs
     sync = connect(url).connection_pool.connection_class
     assert not getattr(sync, "packs_in_c", False)  # redis-py's sync packer is hiredis already
 

@@ -1,0 +1,157 @@
+"""The asyncio balancer's ordered connection (redis_router.direct): replies read where they
+arrive (hiredis, no reader task) or by a reader task (without hiredis), with the same results,
+the same round trips, and the same recovery when the server stalls or the connection dies."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from redis_router import AsyncRedisLoadBalancer, RedisUnavailable, direct
+from redis_router.local_server import LocalServer, ServerBinary
+
+from . import invariants
+from .commandstats import script_calls
+
+SERVERS = {f"s{i}": f"http://10.0.0.{i}:8000" for i in range(8)}
+
+
+@pytest.fixture(params=["protocol", "task"])
+def reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How the pipe reads its replies: hiredis in the connection's protocol, or (as without
+    hiredis installed) a reader task through redis-py."""
+    if request.param == "task":
+        monkeypatch.setattr(direct, "hiredis", None)
+    return str(request.param)
+
+
+@pytest.fixture
+def private(binary: ServerBinary) -> Iterator[LocalServer]:
+    """A server of this test's own: it will be stopped."""
+    srv = LocalServer(binary).start()
+    try:
+        yield srv
+    finally:
+        if srv.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(srv.pid, signal.SIGCONT)
+        srv.close()
+
+
+def _reads_with(lb: AsyncRedisLoadBalancer) -> str:
+    pipe = lb._pipe
+    assert pipe is not None and pipe.ready, "the balancer's ordered connection is open"
+    return "protocol" if pipe._replies is not None else "task"
+
+
+def test_calls_of_one_turn_are_one_round_trip_either_way(server, r, reader):
+    async def main() -> None:
+        async with AsyncRedisLoadBalancer(SERVERS, redis=server.url, name="direct") as lb:
+            await lb.release_server((await lb.acquire_server("warm"))[0], "warm")
+            assert _reads_with(lb) == reader
+            r.config_resetstat()
+            got = await asyncio.gather(*(lb.acquire_server(f"q{i}") for i in range(64)))
+            assert script_calls(r) == 1
+            assert sorted(Counter(sid for sid, _ in got).values()) == [8] * 8
+            # a lone call, and calls made while a batch is in flight, all answered
+            alone = await lb.acquire_server("alone")
+            more = await asyncio.gather(*(lb.acquire_server(f"m{i}") for i in range(8)))
+            assert sum(invariants.check(r, "direct").values()) == 64 + 1 + 8
+            ends = [lb.release_server(sid, f"q{i}") for i, (sid, _) in enumerate(got)]
+            ends += [lb.release_server(alone[0], "alone")]
+            ends += [lb.release_server(sid, f"m{i}") for i, (sid, _) in enumerate(more)]
+            assert all(await asyncio.gather(*ends))
+            assert set(invariants.check(r, "direct").values()) == {0}
+
+    asyncio.run(main())
+
+
+def test_a_stalled_server_fails_the_calls_in_flight_then_calls_work_again(private, reader):
+    # The socket timeout bounds how long a written call waits for its reply, with either
+    # reader; the call then goes the ordinary way, which times out too and says so.
+    url = f"{private.url}?socket_timeout=0.5"
+    r = private.client(decode_responses=True)
+
+    async def main() -> None:
+        async with AsyncRedisLoadBalancer(SERVERS, redis=url, name="stall", lease_ttl=2) as lb:
+            await lb.release_server((await lb.acquire_server("warm"))[0], "warm")
+            assert _reads_with(lb) == reader
+            assert private.pid is not None
+            os.kill(private.pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                with pytest.raises(RedisUnavailable):
+                    # far longer than the call may take: a hang fails with TimeoutError here
+                    await asyncio.wait_for(lb.acquire_server("stalled"), 30)
+                failed_after = time.monotonic() - started
+            finally:
+                os.kill(private.pid, signal.SIGCONT)
+            assert failed_after < 30
+            sid, _ = await lb.acquire_server("after")
+            # The stalled acquire sat in the server's socket and may have run once the server
+            # went on: its lease is counted exactly (the keeper ends it once old enough, as
+            # any grant whose reply never came), and ends by its request id like any other.
+            counts = invariants.check(r, "stall")
+            assert sum(counts.values()) in (1, 2) and counts[sid] >= 1
+            owner = await lb.request_owner("stalled")
+            assert (owner is not None) == (sum(counts.values()) == 2)
+            if owner is not None:
+                assert await lb.release_server(owner, "stalled")
+            assert await lb.release_server(sid, "after")
+            assert set(invariants.check(r, "stall").values()) == {0}
+
+    asyncio.run(main())
+
+
+def test_calls_in_flight_when_the_connection_dies_are_sent_again(server, r, reader):
+    async def main() -> None:
+        async with AsyncRedisLoadBalancer(SERVERS, redis=server.url, name="killed") as lb:
+            await lb.release_server((await lb.acquire_server("warm"))[0], "warm")
+            assert _reads_with(lb) == reader
+            killer = redis.Redis(host=server.host, port=server.port)
+            for round_ in range(5):
+                rids = [f"k{round_}-{i}" for i in range(16)]
+                acquiring = asyncio.gather(*(lb.acquire_server(rid) for rid in rids))
+                await asyncio.sleep(0)  # the batch is written in this turn
+                killer.client_kill_filter(_type="normal", skipme=True)
+                got = await acquiring
+                assert sum(invariants.check(r, "killed").values()) == 16
+                done = await asyncio.gather(
+                    *(lb.release_server(sid, rid) for rid, (sid, _) in zip(rids, got, strict=True))
+                )
+                assert all(done)
+                assert set(invariants.check(r, "killed").values()) == {0}
+            killer.close()
+
+    asyncio.run(main())
+
+
+def test_calls_of_one_turn_reach_redis_in_the_order_they_were_made(server, r, reader):
+    # A retry of a granted lease's token made before that lease's release, in one turn: the
+    # retry runs first (it finds the lease, counts nothing), then the release ends it. Sent the
+    # other way round, the retry would grant the lease again after its release.
+    async def main() -> None:
+        async with AsyncRedisLoadBalancer(SERVERS, redis=server.url, name="order") as lb:
+            await lb.release_server((await lb.acquire_server("warm"))[0], "warm")
+            assert _reads_with(lb) == reader
+            for k in range(5):
+                lease = await lb.acquire(f"o{k}")
+                again, released = await asyncio.gather(
+                    lb.acquire(f"o{k}", token=lease.token), _released(lease)
+                )
+                assert again.server_id == lease.server_id and released
+                assert set(invariants.check(r, "order").values()) == {0}
+
+    asyncio.run(main())
+
+
+async def _released(lease: object) -> bool:
+    return bool(await lease.release())  # type: ignore[attr-defined]
