@@ -14,7 +14,9 @@
 --          draining replica gets only its sticky sessions); ties uniformly at random from the
 --          client's integer (never Lua's RNG, DESIGN.md). O(log N) while no replica drains;
 --          O(N) while one does (the draining ones must be skipped). full_determinism routes by
---          rendezvous hashing, as the core does (I5).
+--          rendezvous hashing, as the core does (I5). With engine scoring pinned: fewest
+--          tokens in flight plus what the engine's fresh report adds, valued in tokens
+--          (P.."wscore", lib/scoring.lua); O(log N) while nothing drains or is off.
 -- Uses     lib/base, lib/holders, lib/admission, lib/picking, lib/acquiring
 local deterministic = ARGV[5] == '1'
 local W, L = P .. 'weighted', P .. 'load'
@@ -45,6 +47,7 @@ end
 return acquire_all(OWN + 1, {
   choose = function(i)
     if deterministic then return rendezvous(ARGV[i]) end
+    if ENGINE then return scoring().least_tokens(tonumber(ARGV[i + 2])) end -- lib/scoring
     return least_weighted(tonumber(ARGV[i + 2]))
   end,
   weight = function(i) return tonumber(ARGV[i + OWN]) end,

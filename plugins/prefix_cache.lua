@@ -5,8 +5,9 @@
 -- ARGV[1..HEAD] as acquire.lua (ARGV[5] = 1: full_determinism, rendezvous hashing, no prefix)
 -- ARGV[HEAD + 1..] per request: the core's OWN (request id, lease token, random integer, group
 --          id), then settings, block hashes, first, exact hashes, exact info. settings = "abs
---          rel ttl_ms max_blocks budget record refresh_ms lag_ms block_size kv_block_size"
---          (space separated, the same for every request of a call); block hashes = the
+--          rel ttl_ms max_blocks budget record refresh_ms lag_ms block_size kv_block_size
+--          min_cached" (space separated, the same for every request of a call; min_cached =
+--          sticky_min_cached as pinned, "-" = off); block hashes = the
 --          prompt's prefix hashes at its sampled depths, 16 hex characters each, concatenated
 --          (or empty); first = the first of them deep enough to count (min_match of the
 --          prompt: the client knows the depths, the script needs only this). Exact hashes =
@@ -14,19 +15,26 @@
 --          the same grid of depths, concatenated, and exact info = "first engine_blocks
 --          blocks" (the first exact hash deep enough to count, the prompt's engine blocks and
 --          its blocks of block_size); both empty when exact routing is off.
--- Choice   for a new session: least loaded (random tie-break) if the pool is imbalanced
---          (max - min > abs and max > rel * min, in-flight counts of the replicas taking new
---          sessions), if the prompt has no full block, or if no live replica holds one of the
---          hashes first..n; else the least loaded of the replicas holding the deepest such
---          hash (random tie-break). The deepest and the first hash are read first (a repeated
---          prompt, or a never-seen one, costs one HMGET of two), else all of them with one
---          more HMGET, scanned from the deepest. The imbalance test runs only when a prefix
---          would decide. With exact hashes: a replica whose exact index is trusted now
+-- Choice   for a new session: least loaded (random tie-break) if the prompt has no full
+--          block, or if no live replica holds one of the hashes first..n; else the least
+--          loaded of the replicas holding the deepest such hash (random tie-break), unless one
+--          more request would make it a hot spot: its in-flight count, this request included,
+--          exceeds the median count m of the replicas taking new sessions by more than abs and
+--          is more than rel * m, or exceeds the least loaded count by more than 4 * abs and
+--          is more than rel times it (then least loaded; ZCARD, two ZRANGE by rank, one
+--          ZSCORE, only when a prefix would decide). The deepest and the first hash are read first (a
+--          repeated prompt, or a never-seen one, costs one HMGET of two), else all of them
+--          with one more HMGET, scanned from the deepest. With exact hashes: a replica whose exact index is trusted now
 --          (kv:exact) is judged by kv:idx, and by its approximate records only while younger
 --          than lag_ms (blocks sent whose events have not arrived); the deepest prefix in
 --          tokens wins, depths less than max(block_size, kv_block_size) apart pool their
 --          holders. One more HMGET of kv:idx, one of kv:exact and one ZMSCORE; when
 --          kv:exact is empty (no healthy stream) one HLEN, and the choice is as without them.
+--          The hot-spot test then applies to the replica chosen.
+-- Sticky   with sticky_min_cached (min_cached, pinned; needs exact hashes), a sticky turn whose
+--          replica's exact index no longer holds that share of the prompt (the first depth
+--          of the grid covering it; nor does an approximate record younger than lag_ms) is
+--          chosen as above instead, and counted as a re-pin when it leaves (evicted below).
 -- Then     each new lease (balanced or sticky) records the prompt's blocks for its replica
 --          (when record = 1) as one write: blocks it received less than refresh_ms ago are
 --          left as they are, so a hot prefix costs reads, not writes; and the index is kept
@@ -44,23 +52,35 @@ local ends = {}   -- ARGV index of a request -> its deepest and first blocks' ho
 
 local function settings(s)
   if not cfg then
-    local abs, rel, ttl, max_blocks, budget, record, refresh, lag, bs, kbs =
-      string.match(s, '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+)$')
+    local abs, rel, ttl, max_blocks, budget, record, refresh, lag, bs, kbs, mc =
+      string.match(s, '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+)$')
     cfg = { abs = tonumber(abs), rel = tonumber(rel), ttl = tonumber(ttl) * 1000,
             max_blocks = tonumber(max_blocks), budget = tonumber(budget),
             record = record == '1', refresh = tonumber(refresh) * 1000,
-            lag = tonumber(lag) * 1000, bs = tonumber(bs), kbs = tonumber(kbs) }
+            lag = tonumber(lag) * 1000, bs = tonumber(bs), kbs = tonumber(kbs),
+            min_cached = (mc == '-' or deterministic) and '' or mc }
   end
   return cfg
 end
 
--- SGLang's cache-aware test: both the absolute and the relative spread exceed their limits.
-local function imbalanced(c)
-  local lo = redis.call('ZRANGE', P .. 'load', 0, 0, 'WITHSCORES')
-  local hi = redis.call('ZRANGE', P .. 'load', -1, -1, 'WITHSCORES')
-  if #lo == 0 then return false end
-  local mn, mx = tonumber(lo[2]), tonumber(hi[2])
-  return mx - mn > c.abs and mx > c.rel * mn
+-- Whether one more request would make replica `id` (taking new sessions) a hot spot: its
+-- count, the request included, above the median by more than abs and more than rel times it,
+-- or above the least loaded count by more than FAR * abs and more than rel times it.
+local FAR = 4
+-- Judged on the replica the prefix picks, not on the pool's spread: one busy replica
+-- elsewhere (long sticky sessions) does not turn the index off for every prompt, and a GRPO
+-- group stays together until its own replica stands out. O(log N).
+local function hot(c, id)
+  local n = redis.call('ZCARD', P .. 'load')
+  if n == 0 then return false end
+  local r = math.floor((n - 1) / 2)
+  local med = tonumber(redis.call('ZRANGE', P .. 'load', r, r, 'WITHSCORES')[2])
+  local l = tonumber(redis.call('ZSCORE', P .. 'load', id)) + 1
+  if l - med > c.abs and l > c.rel * med then return true end
+  -- Far above the least loaded: replicas that never received a shared prefix may be a
+  -- minority below the median, and would otherwise wait forever.
+  local mn = tonumber(redis.call('ZRANGE', P .. 'load', 0, 0, 'WITHSCORES')[2])
+  return l - mn > FAR * c.abs and l > c.rel * mn
 end
 
 -- The holders lists of the deepest and the first block of request i's prompt (read once,
@@ -220,8 +240,10 @@ local function choose(i)
   local n = #hs / HW
   if ARGV[i + OWN + 4] ~= '' and any_exact() then
     local ties = exact_choice(i, c, hs, n)
-    if not ties or imbalanced(c) then return least_loaded(rand) end
-    return ties[rand % #ties + 1]
+    if not ties then return least_loaded(rand) end
+    local id = ties[rand % #ties + 1]
+    if hot(c, id) then return least_loaded(rand) end
+    return id
   end
   if n == 0 then return least_loaded(rand) end
   local since = now - c.ttl
@@ -235,8 +257,10 @@ local function choose(i)
     end
   end
   -- Checked only when a prefix would decide: without one the answer is least-loaded anyway.
-  if not ties or imbalanced(c) then return least_loaded(rand) end
-  return ties[rand % #ties + 1]
+  if not ties then return least_loaded(rand) end
+  local id = ties[rand % #ties + 1]
+  if hot(c, id) then return least_loaded(rand) end
+  return id
 end
 
 local function granted(i, id, token)
@@ -264,8 +288,59 @@ local function granted(i, id, token)
   seen[i], ends[i] = nil, nil
 end
 
-local out = acquire_all(OWN + 5, { choose = choose, granted = granted })
-if out.err or #ARGV <= HEAD then return out end
+-- The index of the first depth of the grid of a prompt of `blocks` blocks that is at least
+-- `need` blocks deep (the last, the prompt's own length, when none on the grid is).
+local function grid_index(blocks, need)
+  local j, c = 1, 0
+  while j <= blocks do
+    c = c + 1
+    if j >= need then return c end
+    local b, x = 0, j
+    while x > 0 do b, x = b + 1, math.floor(x / 2) end
+    j = j + 2 ^ math.max(0, b - 3)
+  end
+  return c + 1
+end
+
+-- Eviction-aware stickiness (sticky_min_cached = share): whether replica `old`, the sticky
+-- replica of request i, no longer holds `share` of its prompt's engine blocks. Judged only
+-- when old's exact index is trusted now and the request came with exact hashes: the depth of
+-- the grid covering `share` of the prompt must be in old's blocks in kv:idx, or in its
+-- approximate record younger than lag (blocks sent whose events have not arrived yet). Else
+-- (no exact index for old) the session stays, as without the option. Two HGETs; a third
+-- (pc:idx) only when the exact index says evicted.
+local function evicted(i, old, share)
+  local info = ARGV[i + OWN + 4]
+  if info == '' then return false end
+  local kblocks, ablocks = string.match(info, '^%d+ (%d+) (%d+)$')
+  kblocks, ablocks = tonumber(kblocks), tonumber(ablocks)
+  local kh = ARGV[i + OWN + 3]
+  if kblocks == 0 or #kh == 0 then return false end
+  local d = redis.call('HGET', P .. 'kv:exact', old)
+  if not (d and tonumber(d) >= math.floor(now / 1000)) then return false end
+  local k = math.min(grid_index(kblocks, share * kblocks), #kh / HW)
+  local v = redis.call('HGET', P .. 'kv:idx', block_at(kh, k))
+  if v then
+    for id in string.gmatch(v, '([^\31]+)\31%d+\31%d+\31') do
+      if id == old then return false end
+    end
+  end
+  local c, hs = settings(ARGV[i + OWN]), ARGV[i + OWN + 1]
+  local n = #hs / HW
+  if n > 0 and c.lag > 0 then
+    local a = math.min(grid_index(ablocks, share * ablocks), n)
+    local t = stamp_of(redis.call('HGET', P .. 'pc:idx', block_at(hs, a)), old)
+    if t and t >= now - c.lag then return false end
+  end
+  return true
+end
+
+-- A call of no request has no settings to pin (min_cached): it does nothing.
+if #ARGV <= HEAD then return {} end
 local c = settings(ARGV[HEAD + 1 + OWN])
+local out = acquire_all(OWN + 5, {
+  choose = choose, granted = granted, evicted = evicted, min_cached = c.min_cached,
+})
+if out.err then return out end
 bound_index(now, c.ttl, c.max_blocks, c.budget, total)
 return out

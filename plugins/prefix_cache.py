@@ -17,14 +17,26 @@ Algorithm (the policy of SGLang's cache-aware router, on an approximate index in
    hashes for 4k tokens), so acquire costs O(log n) and a cached prefix is found to within 1/8
    of its length; an identical prompt (a GRPO group) matches in full.
 2. One atomic script (``prefix_cache.lua``, on the shared ``acquire_all``) routes: a retry or a
-   sticky session goes where the core sends it. A new session goes to the least-loaded replica
-   (random tie-break with client entropy) when the pool is *imbalanced*: ``max - min >
-   balance_abs_threshold`` and ``max > balance_rel_threshold * min``, over the in-flight counts
-   of the replicas taking new sessions. Otherwise the deepest hash some live replica (in the
-   pool, not draining) received within ``index_ttl`` wins, among those covering at least
-   ``min_match`` of the prompt's blocks: the least loaded of its holders (random tie-break),
-   else the least loaded of the pool. The deepest hash is read first (a repeated prompt costs
-   one HGET), the rest with one HMGET.
+   sticky session goes where the core sends it. For a new session the deepest hash some live
+   replica (in the pool, not draining) received within ``index_ttl`` wins, among those
+   covering at least ``min_match`` of the prompt's blocks: the least loaded of its holders
+   (random tie-break with client entropy), else the least loaded of the pool. Unless that
+   replica would become a *hot spot*: with this request, its in-flight count would exceed the
+   median count ``m`` of the replicas taking new sessions by more than
+   ``balance_abs_threshold`` and be more than ``balance_rel_threshold * m``, or exceed the
+   least loaded count by more than 4 x ``balance_abs_threshold`` and be more than
+   ``balance_rel_threshold`` times it (replicas that never received a shared prefix may be
+   fewer than half the pool, below the median); then the least-loaded replica gets it. The
+   deepest hash is read first (a repeated prompt costs one HGET), the rest with one HMGET;
+   the hot-spot test (ZCARD, two ZRANGE by rank, a ZSCORE) runs only when a prefix decides.
+
+   SGLang's cache-aware router instead ignores prefixes whenever the pool's spread, max - min
+   and max / min, exceeds its thresholds. Judging the replica the prefix picks, against the
+   median, keeps a GRPO group (n samples of one prompt, arriving together) on one replica
+   until that replica itself stands out, even while another replica is busy with long
+   sticky sessions, and moves it as soon as it does. With the spread test, small thresholds
+   split groups and large ones let whole groups pile onto one replica (the measured table is
+   in docs/prefix_cache.md).
 3. The same script records the prompt's hashes for the chosen replica (also on sticky turns;
    those it received in the last ``index_ttl / 16`` are not rewritten, so a hot prefix costs
    reads only) as one *write*: one HSET into the index hash and one LRU entry for the lot.
@@ -55,11 +67,13 @@ Options (YAML keys beside ``router_class``, or keyword arguments; the core's opt
 ``redis``, ``name``, ``sticky_ttl``, ``lease_ttl`` pass through):
 
 - ``block_size`` (32): tokens per block; a match shorter than one block is ignored.
-- ``balance_abs_threshold`` (4) and ``balance_rel_threshold`` (1.2): the pool counts as
-  imbalanced, and prefixes are ignored, only when both are exceeded. At high load the relative
-  one keeps max/min in-flight near 1.2; the absolute one stops small counts (0 vs 3) from
-  flapping. SGLang's defaults (32, 1.0001) rely on the absolute one and suit servers with
-  hundreds of requests each.
+- ``balance_abs_threshold`` (4) and ``balance_rel_threshold`` (1.2): the replica a prefix picks
+  is a hot spot, and the request goes to the least-loaded replica instead, only when its count
+  with the request exceeds the median by more than the first and is more than the second
+  times the median, or exceeds the least loaded count by more than four times the first and
+  is more than the second times it. At high load the relative one decides (a replica may
+  carry 20 % more than the median for its prefixes); the absolute one lets small counts (3
+  against a median of 0) keep their prefix.
 - ``min_match`` (0.5): smallest fraction of the prompt's blocks a cached prefix must cover to
   override least-loaded (SGLang's ``cache_threshold``).
 - ``index_ttl`` (600 s): how long a replica is assumed to keep a block it received.
@@ -74,6 +88,13 @@ Options (YAML keys beside ``router_class``, or keyword arguments; the core's opt
   client computes no exact hashes).
 - ``kv_event_lag`` (2 s): how long an acquire's approximate record stands in for an exact
   replica's KV events that have not reached the index yet.
+- ``sticky_min_cached`` (None: off): eviction-aware stickiness. A sticky turn stays on its
+  replica while that replica's exact index holds at least this share of the prompt's engine
+  blocks (the first sampled depth covering it; 0.5 = half the prompt); when it no longer
+  does, the turn is placed by the rule above as a new session would be (a replica holding
+  the prefix, else the least loaded) and counted as a re-pin of the replica it left. Only
+  replicas whose stream is exact are judged (a sticky replica judged by the approximate
+  record stays); needs ``kv_block_size``. Pinned in Redis like the balancer's settings.
 
 Under ``full_determinism`` new sessions are placed by rendezvous hashing as in the core (I5).
 """
@@ -132,6 +153,7 @@ class PrefixSettings:
     record_on_acquire: bool = True
     kv_block_size: int | None = None
     kv_event_lag: float = 2.0
+    sticky_min_cached: float | None = None
 
     def __post_init__(self) -> None:
         # Upper bounds keep every value exact in Lua's doubles and within what it is packed in
@@ -146,6 +168,19 @@ class PrefixSettings:
         if self.kv_block_size is not None:
             _int(self.kv_block_size, "kv_block_size", 1, MAX_BLOCK_SIZE)
         _number(self.kv_event_lag, "kv_event_lag", 0, validation.MAX_TTL)
+        if self.sticky_min_cached is not None:
+            _number(self.sticky_min_cached, "sticky_min_cached", 0, 1)
+            if self.sticky_min_cached <= 0:
+                raise ValueError(
+                    f"sticky_min_cached must be a share of the prompt in (0, 1] (e.g. 0.5), "
+                    f"got {self.sticky_min_cached!r}"
+                )
+            if self.kv_block_size is None:
+                raise ValueError(
+                    "sticky_min_cached needs kv_block_size (the exact KV-events index): the "
+                    "approximate index records what was sent to a replica, not what it still "
+                    "holds, so it cannot tell an evicted session from a kept one"
+                )
         if not isinstance(self.record_on_acquire, bool):
             raise TypeError(
                 f"record_on_acquire must be a bool, got {type(self.record_on_acquire).__name__}"
@@ -161,7 +196,8 @@ class PrefixSettings:
             f"{self.balance_abs_threshold!r} {self.balance_rel_threshold!r} "
             f"{self.ttl_ms} {self.max_index_blocks} {INDEX_TRIM_BUDGET} "
             f"{int(self.record_on_acquire)} {max(1, self.ttl_ms // 16)} "
-            f"{round(self.kv_event_lag * 1000)} {self.block_size} {self.kv_block_size or 0}"
+            f"{round(self.kv_event_lag * 1000)} {self.block_size} {self.kv_block_size or 0} "
+            f"{'-' if self.sticky_min_cached is None else repr(float(self.sticky_min_cached))}"
         )
 
 
@@ -319,6 +355,7 @@ class PrefixCache(RoutingPolicy):
         # None means "not given" (a YAML key left empty, an explicit keyword set to None).
         self.settings = PrefixSettings(**{k: v for k, v in options.items() if v is not None})
         self._lua_settings = self.settings.lua()
+        self.sticky_min_cached = self.settings.sticky_min_cached
         kbs = self.settings.kv_block_size
         self._exact = ExactChains(kbs) if kbs is not None else None
 

@@ -112,7 +112,7 @@ def test_short_match_below_min_match_is_ignored(make_pc):
     assert seen == set(SERVERS)  # 4 of 20 blocks: least-loaded spreads them
 
 
-def test_imbalance_falls_back_to_least_loaded(make_pc, r):
+def test_a_prefix_yields_where_its_replica_would_become_a_hot_spot(make_pc, r):
     lb = make_pc(
         {"s0": None, "s1": None},
         record_on_acquire=False,
@@ -122,9 +122,41 @@ def test_imbalance_falls_back_to_least_loaded(make_pc, r):
     p = prompt(6, 10)
     lb.record_blocks("s0", lb.block_hashes(p))
     got = [lb.acquire_server(f"g{k}", prompt_ids=p)[0] for k in range(4)]
-    # Loads 0/0, 1/0, 2/0 are within the thresholds; 3/0 exceeds both (3 > 2, 3 > 1.5 * 0).
-    assert got == ["s0", "s0", "s0", "s1"]
+    # With the request, s0 would carry 1, then 2, over a median (the lower of two counts) of
+    # 0: not more than 2 above it. 3 over 0 would be (3 > 0 + 2, 3 > 1.5 * 0): least loaded.
+    # Then 3 over a median of 1 is within the thresholds again.
+    assert got == ["s0", "s0", "s1", "s0"]
     assert invariants.check(r, lb.name) == {"s0": 3, "s1": 1}
+
+
+def test_a_busy_replica_elsewhere_does_not_scatter_a_group(make_pc, r):
+    """The test is on the replica the prefix picks, against the median: one replica loaded far
+    above the rest (sticky sessions, another group) does not turn the index off for all."""
+    lb = make_pc(rng=random.Random(3))
+    lb.drain_servers(["s0", "s1", "s2"])
+    for k in range(9):
+        lb.acquire_server(f"busy{k}", prompt_ids=prompt(700 + k, 2))
+    lb.undrain_servers(["s0", "s1", "s2"])
+    p = prompt(13, 10)
+    # 9 vs 0 in flight: the pool's spread is far past the thresholds (4, 1.2), yet the
+    # group's replica, up to 4 over the median of 0, is no hot spot.
+    placed = [lb.acquire_server(f"g-{k}", prompt_ids=p)[0] for k in range(4)]
+    assert len(set(placed)) == 1 and placed[0] != "s3"
+    assert lb.acquire_server("g-4", prompt_ids=p)[0] not in {placed[0], "s3"}  # 5 over 0 is
+    invariants.check(r, lb.name)
+
+
+def test_a_replica_without_the_prefix_is_not_left_idle(make_pc, r):
+    """Three replicas hold a shared prefix, the fourth never received it: the median is a
+    holder's count, so only the second test (more than 4 x 4 over the least loaded) hands
+    the fourth a request."""
+    lb = make_pc(record_on_acquire=False, rng=random.Random(9))
+    p = prompt(14, 10)
+    for sid in ("s0", "s1", "s2"):
+        lb.record_blocks(sid, lb.block_hashes(p))
+    got = [lb.acquire_server(f"q{k}", prompt_ids=p)[0] for k in range(49)]
+    assert "s3" not in got[:48] and got[48] == "s3"  # 17 over 0 is more than 16
+    assert invariants.check(r, lb.name) == {"s0": 16, "s1": 16, "s2": 16, "s3": 1}
 
 
 def test_index_stays_within_its_size_bound(make_pc, r):

@@ -13,40 +13,13 @@ from typing import Any
 
 import pytest
 
-from redis_router.kv_events import BlockRemoved, BlockStored, KVIndex
+from redis_router.kv_events import BlockRemoved, KVIndex
 from redis_router.plugins.prefix_cache import PrefixCacheRouter, PrefixSettings
 
 from . import invariants
+from .exact_index import BLOCK, KV_BLOCK, SERVERS, Engine, prompt
 
-SERVERS = {f"s{i}": {"kv_events": f"tcp://127.0.0.1:{i + 1}"} for i in range(4)}
-BLOCK = 32  # the approximate index's block
-KV_BLOCK = 16  # the engine's block
 _names = itertools.count()
-
-
-def prompt(seed: int, tokens: int = 8 * BLOCK) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(50_000) for _ in range(tokens)]
-
-
-class Engine:
-    """One replica's event stream: batches numbered from 0, applied by the index script."""
-
-    def __init__(self, index: KVIndex, sid: str) -> None:
-        self.index, self.sid, self.seq, self.next_hash = index, sid, 0, 1
-
-    def publish(self, *events: Any) -> None:
-        got = self.index.apply(self.sid, 0, 1, self.seq, 1.0 + self.seq, events)
-        assert got.outcome == "ok", got
-        self.seq += 1
-
-    def store(self, tokens: list[int]) -> list[int]:
-        """Cache the full engine blocks of ``tokens``; returns their engine hashes."""
-        n = len(tokens) // KV_BLOCK
-        hashes = list(range(self.next_hash, self.next_hash + n))
-        self.next_hash += n
-        self.publish(BlockStored(hashes, None, tokens[: n * KV_BLOCK], KV_BLOCK))
-        return hashes
 
 
 @pytest.fixture
@@ -173,13 +146,13 @@ def test_several_workers_route_identically(make_pc, engines):
 
 
 def test_imbalance_still_overrides_the_exact_index(make_pc, engines):
-    lb = make_pc(kv_event_lag=0, balance_abs_threshold=1, balance_rel_threshold=1.0)
+    lb = make_pc(kv_event_lag=0, balance_abs_threshold=2, balance_rel_threshold=1.0)
     es = engines(*SERVERS)
     p = prompt(6)
     es["s0"].store(p)
     assert route(lb, p, keep=True) == "s0"
-    assert route(lb, p, keep=True) == "s0"  # 1 vs 0 in flight: not imbalanced yet
-    assert route(lb, p, keep=True) != "s0"  # 2 vs 0: least-loaded wins
+    assert route(lb, p, keep=True) == "s0"  # s0 would carry 2 over a median of 0: not hot yet
+    assert route(lb, p, keep=True) != "s0"  # 3 over 0 would be: least-loaded wins
 
 
 def test_off_by_default_and_bad_options_are_refused(server):

@@ -436,7 +436,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__.split("\n\n")[0] if __doc__ else None
     parser.add_argument("--quick", action="store_true", help="a small run (seconds), for tests")
     parser.add_argument(
-        "--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {WORKLOADS}"
+        "--workloads",
+        default=None,
+        help=f"comma-separated, of {WORKLOADS} (with --kv: of simulate_kv.ALL_WORKLOADS, "
+        "dp included; default: all; with --engine: one, spread; default: one)",
     )
     parser.add_argument(
         "--routers", default=",".join(ROUTERS), help=f"comma-separated, of {tuple(ROUTERS)}"
@@ -460,10 +463,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "affinity margins, groups, prefix-cache), in virtual time (redis_router.tools.simulate_rl)",
     )
     parser.add_argument(
-        "--repeats",
+        "--seeds",
         type=int,
-        default=1,
-        help="with --kv: runs (each with other tie-break streams) averaged per row",
+        default=4,
+        help="with --kv, --rl or --engine: seeds (from --seed on) each row is averaged over",
+    )
+    parser.add_argument(
+        "--clients",
+        default="1,8,64",
+        help="with --kv: comma-separated routing client counts, each a row",
     )
     parser.add_argument(
         "--kv",
@@ -471,6 +479,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead: routing on the replicas' KV-cache events (least-loaded, approximate, "
         "exact, oracle) under KV pressure, with 1, 8 and 64 routing clients, in virtual time "
         "(redis_router.tools.simulate_kv)",
+    )
+    parser.add_argument(
+        "--engine",
+        action="store_true",
+        help="instead: least loaded on lease counts against engine-aware scoring, over a pool "
+        "with a half-speed replica, a half-KV-memory one and sessions past the router, in "
+        "virtual time (redis_router.tools.simulate_engine)",
     )
 
 
@@ -538,6 +553,17 @@ def targets(results: Sequence[Result], bench: dict[str, float] | None) -> list[s
     return lines
 
 
+def _names(given: str | None, default: Sequence[str]) -> list[str]:
+    return list(default) if given is None else [w for w in given.split(",") if w]
+
+
+def _ints(given: str, arg: str) -> list[int]:
+    try:
+        return [int(x) for x in given.split(",") if x]
+    except ValueError:
+        raise ValueError(f"{arg} must be comma-separated ints, got {given!r}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run every (workload, router) pair, print the table and the targets."""
     if args.rl:
@@ -545,16 +571,37 @@ def run(args: argparse.Namespace) -> int:
 
         with given_or_private_redis(getattr(args, "redis", None)) as (url, where):
             print(f"simulate --rl: {simulate_rl.REPLICAS} replicas, {where}", file=sys.stdout)
-            return simulate_rl.main(url, args.seed, args.quick, sys.stdout)
+            return simulate_rl.main(url, args.seed, args.quick, sys.stdout, args.seeds)
+    if args.engine:
+        from . import simulate_engine
+
+        with given_or_private_redis(getattr(args, "redis", None)) as (url, where):
+            print(f"simulate --engine: {where}", file=sys.stdout)
+            return simulate_engine.main(
+                url,
+                args.seed,
+                args.quick,
+                sys.stdout,
+                args.seeds,
+                workloads=_names(args.workloads, simulate_engine.WORKLOADS[:1]),
+            )
     if args.kv:
         from . import simulate_kv
 
         with given_or_private_redis(getattr(args, "redis", None)) as (url, where):
             print(f"simulate --kv: {where}", file=sys.stdout)
-            return simulate_kv.main(url, args.seed, args.quick, sys.stdout, args.repeats)
+            return simulate_kv.main(
+                url,
+                args.seed,
+                args.quick,
+                sys.stdout,
+                args.seeds,
+                clients=_ints(args.clients, "--clients"),
+                workloads=_names(args.workloads, simulate_kv.ALL_WORKLOADS),
+            )
     if args.quick:
         args = _quick(args)
-    workloads = [w for w in args.workloads.split(",") if w]
+    workloads = _names(args.workloads, WORKLOADS)
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         raise ValueError(f"unknown workload(s) {unknown}; choose from {WORKLOADS}")

@@ -21,15 +21,23 @@ one in five 16-30; each turn adds 1-4k tokens of observations, so the long ones 
 50-100k), started together, a tool call of 0.5-2 s between turns. ``grpo``: prompts sampled
 GROUP = 8 times (request ids "prompt<k>-s<j>", group_by "-"), two turns each.
 
-Columns: step time (makespan: the last session's end), re-prefilled tokens, token hit rate
+Columns: step time (makespan: the last session's end) and its ratio to the work bound (the
+work the row's requests cost, prefill included, over the pool's capacity, REPLICAS *
+CAPACITY: the step time of a pool that never idles a unit; turns wait for each other and
+for tool calls, so 1.0 is out of reach), re-prefilled tokens, token hit rate
 (prompt tokens held by the replica / prompt tokens), max/mean in-flight per replica in the
 tail (time-weighted, after half the sessions finished, while at least as many requests as
-replicas are in flight: an idle replica beside a busy one counts against balance).
+replicas are in flight: an idle replica beside a busy one counts against balance). Every row
+is the mean over ``seeds`` seeds (workload and tie-breaks), with the lowest and the highest
+run in brackets. The targets' lines also give, for the rows with every option on, the
+chain floor: the longest session alone (its start, its tool calls, each turn at decode speed
+with nothing to prefill) over the work bound, below which no placement can end the step.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import random
 import secrets
 from collections import OrderedDict
@@ -107,6 +115,13 @@ class Row:
     hit_rate: float
     tail_balance: float
     repins: int
+    bound_ratio: float = float("nan")  # step time over the work bound (work / pool capacity)
+    # The longest session's own chain (its start, its tool calls, each turn at decode speed
+    # with nothing to prefill) over the work bound: no placement ends the step sooner.
+    chain_ratio: float = float("nan")
+    seeds: int = 1
+    lo: Row | None = None  # per column, the lowest and the highest run (rows of several seeds)
+    hi: Row | None = None
 
 
 class _Replica:
@@ -150,9 +165,11 @@ def run_row(url: str, workload: str, row: str, router: str, opts: dict[str, Any]
     ready = [(s.start, k, k, 0) for k, s in enumerate(todo)]
     heapq.heapify(ready)
     running: dict[int, list[Any]] = {}  # session -> [replica, work left, turn]
+    chain = [s.start + sum(out for _, out in s.turns) / PER_REQUEST for s in todo]
     order = len(todo)
     now, finished, tail_from = 0.0, 0, len(todo) // 2
     prompt_tokens = held_tokens = reprefilled = 0
+    work_total = 0.0
     tail_time = tail_weighted = 0.0
     try:
         while ready or running:
@@ -186,7 +203,9 @@ def run_row(url: str, workload: str, row: str, router: str, opts: dict[str, Any]
                 s = todo[k]
                 lb.release_server(rep, f"{s.rid}#{s.epoch}" if s.epoch else s.rid)
                 if turn + 1 < len(s.turns):
-                    heapq.heappush(ready, (now + rng.uniform(0.5, 2), order, k, turn + 1))
+                    gap = rng.uniform(0.5, 2)
+                    chain[k] += gap
+                    heapq.heappush(ready, (now + gap, order, k, turn + 1))
                     order += 1
                 else:
                     finished += 1
@@ -208,6 +227,7 @@ def run_row(url: str, workload: str, row: str, router: str, opts: dict[str, Any]
                 prompt_tokens += len(prompt)
                 held_tokens += held
                 work = out + PREFILL_COST * (len(prompt) - held)
+                work_total += work
                 running[k] = [rep, work, turn]
                 output = _tokens(rid, turn + 1000, out)
                 s.context = prompt + output
@@ -229,6 +249,10 @@ def run_row(url: str, workload: str, row: str, router: str, opts: dict[str, Any]
         hit_rate=held_tokens / prompt_tokens if prompt_tokens else 0.0,
         tail_balance=tail_weighted / tail_time if tail_time else float("nan"),
         repins=repins,
+        bound_ratio=now / (work_total / (REPLICAS * CAPACITY)) if work_total else float("nan"),
+        chain_ratio=max(chain) / (work_total / (REPLICAS * CAPACITY))
+        if work_total
+        else float("nan"),
     )
 
 
@@ -244,9 +268,9 @@ def _imbalanced(lb: RedisLoadBalancer, gate: dict[str, Any]) -> bool:
     return bool(hi - lo > gate["abs"] and hi > gate["rel"] * lo)
 
 
-def run_all(url: str, seed: int = 1, quick: bool = False) -> list[Row]:
+def run_all(url: str, seed: int = 1, quick: bool = False, seeds: int = 4) -> list[Row]:
     """Every row on the workloads it concerns (the gate and margins move multi-turn sessions,
-    groups place GRPO samples)."""
+    groups place GRPO samples), each the mean over seeds ``seed`` ... ``seed + seeds - 1``."""
     out = []
     for workload in ("agent", "grpo"):
         for row, router, opts in ROWS:
@@ -254,29 +278,161 @@ def run_all(url: str, seed: int = 1, quick: bool = False) -> list[Row]:
                 continue  # no groups in agent sessions
             if workload == "grpo" and row.startswith(("global gate", "margin")):
                 continue  # GRPO samples are short: nothing for a gate or margin to move
-            out.append(run_row(url, workload, row, router, opts, seed, quick))
+            got = [run_row(url, workload, row, router, opts, seed + k, quick) for k in range(seeds)]
+            out.append(_mean(got))
     return out
 
 
-def main(url: str, seed: int, quick: bool, out: Any) -> int:
+def _mean(rows: Sequence[Row]) -> Row:
+    """The mean of one row's runs over seeds, with the lowest and the highest of each column."""
+    n = len(rows)
+
+    def of(pick: Any) -> Row:
+        return Row(
+            row=rows[0].row,
+            workload=rows[0].workload,
+            makespan=pick(r.makespan for r in rows),
+            reprefilled=round(pick(r.reprefilled for r in rows)),
+            hit_rate=pick(r.hit_rate for r in rows),
+            tail_balance=pick(r.tail_balance for r in rows),
+            repins=round(pick(r.repins for r in rows)),
+            bound_ratio=pick(r.bound_ratio for r in rows),
+            chain_ratio=pick(r.chain_ratio for r in rows),
+            seeds=n,
+        )
+
+    mean = of(lambda xs: sum(xs) / n)
+    mean.lo, mean.hi = of(min), of(max)
+    return mean
+
+
+def main(url: str, seed: int, quick: bool, out: Any, seeds: int = 4) -> int:
     """Run every row, print the table and the targets (``redis-router simulate --rl``)."""
-    rows = run_all(url, seed, quick)
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ValueError(f"seeds must be an int >= 1, got {seeds!r}")
+    print(f"each row the mean of seeds {seed}-{seed + seeds - 1} (lowest-highest)", file=out)
+    rows = run_all(url, seed, quick, seeds)
     print(table(rows) + "\n", file=out)
     for line in targets(rows):
+        print(line, file=out)
+    for line in sparse_lines(url, seed, seeds):
         print(line, file=out)
     return 0
 
 
+def sparse_lines(url: str, seed: int, seeds: int) -> list[str]:
+    """The sparse-session balance, with spread_sessions and sessions ended by their process
+    (the target), and beside it without either and without end_session."""
+
+    def of(spread: bool, end: bool) -> tuple[str, float]:
+        got = [sparse_balance(url, seed + k, spread, end) for k in range(seeds)]
+        mean = sum(got) / len(got)
+        return f"{mean:.2f} ({min(got):.2f}-{max(got):.2f})", mean
+
+    text, mean = of(True, True)
+    off, _ = of(False, False)
+    kept, _ = of(True, False)
+    return [
+        f"- sparse sessions ({SPARSE_SESSIONS} per process, {SPARSE_PROCESSES} processes, "
+        f"{REPLICAS} replicas), spread_sessions on, each session ended (end_session) after its "
+        f"last turn: time-weighted max/mean in-flight {text} (target <= 1.10): "
+        f"{'met' if mean <= 1.10 else 'NOT met'}; spread_sessions off {off}; on, sessions "
+        f"never ended (every session placed in the run counts as pinned) {kept}"
+    ]
+
+
+SPARSE_PROCESSES, SPARSE_SESSIONS = 4, 2  # routing processes, concurrent sessions each
+SPARSE_RUN = 160  # sessions a run
+
+
+def sparse_balance(url: str, seed: int, spread: bool = True, end: bool = True) -> float:
+    """Sparse sticky sessions: SPARSE_PROCESSES balancer instances of one name, each keeping
+    SPARSE_SESSIONS sessions going (3-10 turns of 1-3 s, 1-4 s of thinking between turns,
+    holding no lease meanwhile; a new session when one ends), over REPLICAS replicas, in
+    virtual time. With ``end`` a process ends each session after its last turn
+    (``end_session``); without, its sticky entry stays (the run is far shorter than
+    sticky_ttl, so every session ever placed counts as pinned). Each release is answered
+    before the next event (the processes' calls reach Redis in virtual-time order). Returns
+    the time-weighted max/mean in-flight: the busiest replica's mean in-flight count over the
+    run, over the mean of all replicas'."""
+    servers = {f"r{i}": None for i in range(REPLICAS)}
+    name = f"rl-sparse-{secrets.token_hex(3)}"
+    lbs = [
+        RedisLoadBalancer(
+            servers, redis=url, name=name, rng=random.Random(f"{seed}:{p}"), spread_sessions=spread
+        )
+        for p in range(SPARSE_PROCESSES)
+    ]
+    rng = random.Random(f"sparse:{seed}")
+    # (time, order, process, session id, turn, turns left, replica or None): a turn starts
+    # (replica None) or ends
+    events: list[tuple[float, int, int, str, int, int, str | None]] = []
+    seq = itertools.count()  # order among events at the same time
+    started = 0
+
+    def start(at: float, p: int) -> None:
+        nonlocal started
+        started += 1
+        turns = rng.randint(3, 10)
+        heapq.heappush(events, (at, next(seq), p, f"sp{started}", 0, turns, None))
+
+    for p in range(SPARSE_PROCESSES):
+        for _ in range(SPARSE_SESSIONS):
+            start(rng.uniform(0, 1), p)
+    load = dict.fromkeys(servers, 0)
+    area = dict.fromkeys(servers, 0.0)
+    now = 0.0
+    try:
+        while events:
+            t, _, p, sid, turn, left, rep = heapq.heappop(events)
+            for s in servers:
+                area[s] += load[s] * (t - now)
+            now = t
+            if rep is None:
+                rep, _ = lbs[p].acquire_server(sid)
+                load[rep] += 1
+                done = now + rng.uniform(1, 3)
+                heapq.heappush(events, (done, next(seq), p, sid, turn, left, rep))
+                continue
+            load[rep] -= 1
+            lbs[p].release_server(rep, sid).result()
+            if left > 1:
+                at = now + rng.uniform(1, 4)
+                heapq.heappush(events, (at, next(seq), p, sid, turn + 1, left - 1, None))
+                continue
+            if end:
+                lbs[p].end_session(sid)
+            if started < SPARSE_RUN:
+                start(now + rng.uniform(0, 0.5), p)
+    finally:
+        for lb in lbs[1:]:
+            lb.close()
+        lbs[0].destroy()
+        lbs[0].close()
+    mean = sum(area.values()) / len(area)
+    return max(area.values()) / mean if mean else float("nan")
+
+
+def _spread(r: Row, col: str, fmt: str) -> str:
+    """A column's mean, and with several seeds its lowest and highest run."""
+    text = format(getattr(r, col), fmt)
+    if r.lo and r.hi and r.seeds > 1:
+        text += f" ({format(getattr(r.lo, col), fmt)}-{format(getattr(r.hi, col), fmt)})"
+    return text
+
+
 def table(rows: Sequence[Row]) -> str:
     lines = [
-        "| workload | row | step time (s) | re-prefilled tokens | token hit rate "
+        "| workload | row | step time (s) | / work bound | re-prefilled tokens | token hit rate "
         "| max/mean in-flight (tail) | re-pins |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
-            f"| {r.workload} | {r.row} | {r.makespan:.1f} | {r.reprefilled:,} "
-            f"| {r.hit_rate:.1%} | {r.tail_balance:.2f} | {r.repins} |"
+            f"| {r.workload} | {r.row} | {_spread(r, 'makespan', '.1f')} "
+            f"| {_spread(r, 'bound_ratio', '.2f')} | {r.reprefilled:,} "
+            f"| {_spread(r, 'hit_rate', '.1%')} | {_spread(r, 'tail_balance', '.2f')} "
+            f"| {r.repins} |"
         )
     return "\n".join(lines)
 
@@ -304,11 +460,24 @@ def targets(rows: Sequence[Row]) -> list[str]:
         f"({grp.hit_rate:.1%} vs {pc.hit_rate:.1%}; target >= 95%): "
         f"{'met' if ratio >= 0.95 else 'NOT met'}"
     )
+    every, floor = by[("agent", "every option")], by[("agent", "no affinity")]
+    lines.append(
+        f"- agent, every option on: max/mean in-flight in the tail {every.tail_balance:.2f} "
+        f"(target <= 1.5): {'met' if every.tail_balance <= 1.5 else 'NOT met'}; "
+        f"no affinity at all reaches {floor.tail_balance:.2f}"
+    )
     for w in ("agent", "grpo"):
-        every, floor = by[(w, "every option")], by[(w, "no affinity")]
+        every = by[(w, "every option")]
+        best = max((r for r in rows if r.workload == w), key=lambda r: r.hit_rate)
+        share = every.hit_rate / best.hit_rate if best.hit_rate else 0.0
+        ok = every.bound_ratio <= 1.05 and share >= 0.95
         lines.append(
-            f"- {w}, every option on: max/mean in-flight in the tail {every.tail_balance:.2f} "
-            f"(target <= 1.5): {'met' if every.tail_balance <= 1.5 else 'NOT met'}; "
-            f"no affinity at all reaches {floor.tail_balance:.2f}"
+            f"- {w}, every option on: step time {every.bound_ratio:.2f}x the work bound "
+            f"(target <= 1.05) at {share:.0%} of the best locality row's hit rate ({best.row}, "
+            f"{best.hit_rate:.1%}; target >= 95%): {'met' if ok else 'NOT met'}; its longest "
+            f"session alone (tool calls, turns at decode speed) takes {every.chain_ratio:.2f}x "
+            f"({every.lo.chain_ratio if every.lo else every.chain_ratio:.2f}-"
+            f"{every.hi.chain_ratio if every.hi else every.chain_ratio:.2f}), a floor no "
+            "placement goes below"
         )
     return lines
