@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import redis
 
-from redis_router import RedisLoadBalancer
+from redis_router import EngineLoad, EngineScoring, RedisLoadBalancer
 
 from .harness import Row, Sizes, interleaved
 
@@ -59,6 +59,11 @@ def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
     capped = RedisLoadBalancer(redis=client, name="bench-lat-capacity")
     capped.add_servers(servers(8), capacity=dict.fromkeys(servers(8), 1_000_000))
     ejecting = RedisLoadBalancer(servers(8), redis=client, name="bench-lat-eject", eject_after=5)
+    # Engine-aware scoring with a fresh report on every replica (a long ttl: fresh throughout).
+    scored = RedisLoadBalancer(
+        servers(8), redis=client, name="bench-lat-engine", engine_scoring=EngineScoring(3600.0)
+    )
+    scored.report_engine_load({sid: EngineLoad(2, 1, 0.5) for sid in servers(8)})
     noop_sha = client.script_load(NOOP)
     prefix = small._core.prefix
 
@@ -69,19 +74,25 @@ def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
             evalsha(noop_sha, 1, prefix)
 
     pair8, pair4096, group8 = pair_loop(small), pair_loop(large), group_pair_loop(grouped)
-    pair_cap, pair_eject = pair_loop(capped), pair_loop(ejecting)
-    for warm in (noop, pair8, pair4096, group8, pair_cap, pair_eject):
+    pair_cap, pair_eject, pair_engine = pair_loop(capped), pair_loop(ejecting), pair_loop(scored)
+    for warm in (noop, pair8, pair4096, group8, pair_cap, pair_eject, pair_engine):
         warm(max(50, sizes.block // 2))
     t_pair, t_noop, ratio = interleaved(pair8, noop, sizes.rounds, sizes.block)
     t_large, t_small, flat = interleaved(pair4096, pair8, sizes.rounds, sizes.block)
     t_group, t_plain, by_group = interleaved(group8, pair8, sizes.rounds, sizes.block)
     t_cap, t_plain2, by_cap = interleaved(pair_cap, pair8, sizes.rounds, sizes.block)
     t_eject, t_plain3, by_eject = interleaved(pair_eject, pair8, sizes.rounds, sizes.block)
+    t_engine, t_plain4, by_engine = interleaved(pair_engine, pair8, sizes.rounds, sizes.block)
     n = sizes.rounds * sizes.block
     single = server_time(client, pair8, n) / n
     batched = server_time(client, batch_loop(small, BATCH), n) / n
     single_cap = server_time(client, pair_cap, n) / n
-    for lb in (small, large, grouped, capped, ejecting):
+    # Server time, the engine-scored and the default pair taking turns in blocks.
+    engine_spent = plain_spent = 0.0
+    for _ in range(sizes.rounds):
+        engine_spent += server_time(client, pair_engine, sizes.block)
+        plain_spent += server_time(client, pair8, sizes.block)
+    for lb in (small, large, grouped, capped, ejecting, scored):
         lb.destroy()
     return [
         Row(
@@ -135,6 +146,16 @@ def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
             target=("<=", 1.1),
         ),
         Row(
+            "engine_pair_vs_default",
+            "acquire+release pair with engine scoring, a fresh report on each of 8 replicas",
+            t_engine,
+            "s",
+            baseline="default pair",
+            baseline_value=t_plain4,
+            ratio=by_engine,
+            target=("<=", 1.15),
+        ),
+        Row(
             "server_time_pair",
             "Redis server time per acquire+release pair (commandstats)",
             single,
@@ -159,6 +180,16 @@ def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
             baseline="single",
             baseline_value=single,
             ratio=single_cap / single,
+        ),
+        Row(
+            "server_time_pair_engine",
+            "    ... with engine scoring and fresh reports (blocks taking turns with the default)",
+            engine_spent / n,
+            "s",
+            baseline="default, same blocks",
+            baseline_value=plain_spent / n,
+            ratio=engine_spent / plain_spent,
+            target=("<=", 1.15),
         ),
     ]
 

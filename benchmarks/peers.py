@@ -18,6 +18,15 @@ the median over the repetitions. Measures:
   goes through a different router instance (4 instances), and for GRPO groups (8 samples of a
   1024-token prompt, from 4 processes, each process its own router instance).
 
+redis-router takes part twice: as the library (acquire, request, release in the client
+process) and as ``redis-router serve`` instances, each a process of its own on the same Redis,
+reached over HTTP like a gateway (benchmarks/peers_fronts.py): with its default policy in
+latency, throughput and balance (one instance per client process there), with the
+prefix_cache router YAML (the shipped thresholds, and abs 64 / rel 1.5) in the prefix measures,
+a session's turns naming it in ``X-Session-ID``. The oracle, an aiohttp pass-through with no
+Redis and no routing started and measured as ``serve`` is (benchmarks/peers_oracle.py), bounds
+what a front on that HTTP stack can reach in latency and throughput.
+
 The gateways live in ``.venv-peers`` in the checkout, installed from the registry when missing
 (``--no-install``: use what is there); a gateway that cannot be installed or started is a row
 saying why.
@@ -54,6 +63,7 @@ from redis_router import AsyncRedisLoadBalancer, RedisLoadBalancer
 from redis_router.local_server import LocalServer, first_server_binary
 from redis_router.plugins.prefix_cache import AsyncPrefixCacheRouter
 
+from . import peers_fronts as fronts
 from . import peers_gateways as gws
 from .peers_http import AsyncClient, FakeReplicas, SyncClient, completion_body
 
@@ -112,6 +122,13 @@ class Bench:
     sizes: Sizes
     reps: int
     pool: ProcessPoolExecutor
+    # redis-router's own fronts among the gateways: label -> the measures they take part in
+    roles: dict[str, frozenset[str]] = field(default_factory=dict)
+    session_header: set[str] = field(default_factory=set)  # fronts sent X-Session-ID
+
+    def labels(self, measure: str) -> list[str]:
+        """The gateways (and fronts) that take part in ``measure``."""
+        return [k for k in self.gateways if k not in self.roles or measure in self.roles[k]]
 
     @property
     def servers(self) -> dict[str, str]:
@@ -198,7 +215,7 @@ async def _latency(b: Bench) -> list[Row]:
     }
     base = {"redis-router sync": LAT_SYNC_DIRECT, "redis-router asyncio": LAT_ASYNC_DIRECT}
     errors: dict[str, str] = {}
-    for label in b.gateways:
+    for label in b.labels("latency"):
         err = b.gateway_error(label)
         if err:
             errors[label] = err
@@ -297,7 +314,7 @@ async def _throughput(b: Bench) -> list[Row]:
 
     fns: dict[str, Callable[[], Any]] = {TP_DIRECT: direct, "redis-router asyncio": routed}
     errors: dict[str, str] = {}
-    for label in b.gateways:
+    for label in b.labels("throughput"):
         err = b.gateway_error(label)
         if err:
             errors[label] = err
@@ -476,7 +493,8 @@ def _balance_contenders(
         "random replica per request (no router)": lambda i: {**common, "kind": "random"},
     }
     errors = {}
-    for label, insts in b.gateways.items():
+    for label in b.labels("balance"):
+        insts = b.gateways[label]
         err = b.gateway_error(label, INSTANCES)
         if err:
             errors[label] = err
@@ -555,7 +573,8 @@ def _grpo(b: Bench) -> list[Row]:
             "options": opts,
         }
     errors = {}
-    for label, insts in b.gateways.items():
+    for label in b.labels("grpo"):
+        insts = b.gateways[label]
         err = b.gateway_error(label, INSTANCES)
         if err:
             errors[label] = err
@@ -638,9 +657,13 @@ async def _multiturn(b: Bench) -> list[Row]:
 
         await asyncio.gather(*(session(s) for s in range(b.sizes.sessions)))
 
-    def via_gateway(insts: list[gws.Gateway], k: int) -> Callable[[str, int, list[int]], Any]:
+    def via_gateway(
+        insts: list[gws.Gateway], k: int, session: bool
+    ) -> Callable[[str, int, list[int]], Any]:
         async def send(sid: str, hop: int, prompt: list[int]) -> None:
-            await ac.post(insts[hop % k].url, path, completion_body(_text(prompt), 8))
+            headers = {fronts.SESSION_HEADER: sid} if session else None
+            body = completion_body(_text(prompt), 8)
+            await ac.post(insts[hop % k].url, path, body, headers)
 
         return send
 
@@ -667,13 +690,16 @@ async def _multiturn(b: Bench) -> list[Row]:
 
             contenders[f"{label}, {_instances(k)}"] = send
     errors = {}
-    for label, insts in b.gateways.items():
+    for label in b.labels("multiturn"):
+        insts = b.gateways[label]
         err = b.gateway_error(label, INSTANCES)
         if err:
             errors[label] = err
             continue
         for k in (INSTANCES, 1):
-            contenders[f"{label}, {_instances(k)}"] = via_gateway(insts, k)
+            contenders[f"{label}, {_instances(k)}"] = via_gateway(
+                insts, k, label in b.session_header
+            )
     got: dict[str, list[float]] = {k: [] for k in contenders}
     failed: dict[str, str] = {}
     for rep in range(b.reps):
@@ -883,6 +909,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("no Redis-compatible server binary found", file=sys.stderr)
         return 2
     logs = Path(tempfile.mkdtemp(prefix="peers-gateways-"))
+    measures = set(args.only) - {"prefix"} | (
+        {"multiturn", "grpo"} if "prefix" in args.only else set()
+    )
     started = time.time()
     with LocalServer(binary) as server:
         server.start()
@@ -890,6 +919,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         gateways: dict[str, list[gws.Gateway]] = {}
         pool = ProcessPoolExecutor(INSTANCES, mp_context=multiprocessing.get_context("spawn"))
         try:
+            counts = {f.label: fronts.needed(f, measures, INSTANCES) for f in fronts.FRONTS}
+            servers = {f"r{i}": url for i, url in enumerate(replicas.urls)}
+            gateways.update(fronts.start(fronts.FRONTS, counts, servers, server.url, logs))
             if not args.no_gateways:
                 for spec in gws.SPECS:
                     version = gw_versions[spec.dist]
@@ -900,7 +932,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                     gateways[spec.label] = [
                         gws.start(spec, replicas.urls, logs, i) for i in range(need)
                     ]
-            bench = Bench(replicas, server.url, gateways, sizes, reps, pool)
+            bench = Bench(
+                replicas,
+                server.url,
+                gateways,
+                sizes,
+                reps,
+                pool,
+                {f.label: f.measures for f in fronts.FRONTS},
+                {f.label for f in fronts.FRONTS if f.session_header},
+            )
             list(pool.map(time.sleep, [0.1] * INSTANCES))  # spawn the client processes now
             rows: list[Row] = []
             if "latency" in args.only:
@@ -912,7 +953,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "prefix" in args.only:
                 rows += asyncio.run(_multiturn(bench))
                 rows += _grpo(bench)
-            versions = _versions(server.url, gw_versions)
+            versions = _versions(server.url, {**fronts.versions(), **gw_versions})
         finally:
             for insts in gateways.values():
                 for g in insts:

@@ -160,16 +160,35 @@ def start(
         "--log-level",
         "error",
     ]
-    gw = Gateway(spec, url=f"http://{HOST}:{port}")
-    gw.log_path = str(log_dir / f"{spec.dist}-{index}.log")
+    gw = spawn(spec, cmd, port, log_dir / f"{spec.dist}-{index}.log")
+    return wait_ready(gw, ready_within)
+
+
+def spawn(
+    spec: GatewaySpec, cmd: list[str], port: int, log_path: Path, cwd: Path | None = None
+) -> Gateway:
+    """Start ``cmd`` (a front listening on ``port``), its output to ``log_path``; not waited
+    for (see :func:`wait_ready`), so that several start at once."""
+    gw = Gateway(spec, url=f"http://{HOST}:{port}", log_path=str(log_path))
     try:
         with open(gw.log_path, "wb") as log:
             gw.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": "error"}
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=cwd,
+                env={**os.environ, "RUST_LOG": "error"},
             )
     except OSError as exc:
-        gw.error = f"cannot start {python}: {exc}"
+        gw.error = f"cannot start {cmd[0]}: {exc}"
+    return gw
+
+
+def wait_ready(gw: Gateway, ready_within: float = 60.0) -> Gateway:
+    """Wait until the front proxies a completion to the replicas (200), or set its error."""
+    if gw.proc is None:
         return gw
+    port = int(gw.url.rsplit(":", 1)[1])
     deadline = time.monotonic() + ready_within
     last = ""
     while time.monotonic() < deadline:

@@ -295,17 +295,20 @@ class AsyncClient:
     def __init__(self) -> None:
         self._idle: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
 
-    async def post(self, base: str, path: str, body: bytes) -> bytes:
+    async def post(
+        self, base: str, path: str, body: bytes, headers: dict[str, str] | None = None
+    ) -> bytes:
         idle = self._idle.setdefault(base, [])
         if idle:
             reader, writer = idle.pop()
         else:
             host, port = base.removeprefix("http://").split(":")
             reader, writer = await asyncio.open_connection(host, int(port))
+        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()) if headers else ""
         writer.write(
             (
                 f"POST {path} HTTP/1.1\r\nHost: {base[7:]}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n"
+                f"{extra}Content-Length: {len(body)}\r\n\r\n"
             ).encode()
             + body
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import os
 import queue
@@ -341,6 +342,40 @@ def test_an_upstream_5xx_is_passed_on_and_reported_as_a_failure(server, procs, n
     assert resp.status_code == 500
     until(lambda: state(server, name)["replicas"]["r0"]["failures"] == 1, "the failure report")
     assert inflight(server, name) == {"r0": 0}
+
+
+def test_requests_and_answers_pass_through_without_headers_or_cookies_of_the_front(
+    server, procs, name
+):
+    """The front adds no Accept-Encoding, Accept or User-Agent the client did not send (a
+    replica would compress for a client that never asked), and a replica's Set-Cookie goes to
+    its client only: later requests of other clients carry no cookie. The replica is named by
+    host name, whose cookies a client's jar would keep."""
+    replicas = procs.replicas(1)
+    register(server, name, {k: v.replace("127.0.0.1", "localhost") for k, v in replicas.items()})
+    (front,) = procs.fronts(server.url, name, 1)
+    host, port = front.removeprefix("http://").rsplit(":", 1)
+    sent = json.dumps({"model": "m", "prompt": "hi"})
+    answers = []
+    for extra in ({"X-Fake-Set-Cookie": "replica=r0; Path=/"}, {}):
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            conn.putrequest("POST", "/v1/completions", skip_host=False, skip_accept_encoding=True)
+            for k, v in {"Content-Type": "application/json", **extra}.items():
+                conn.putheader(k, v)
+            conn.putheader("Content-Length", str(len(sent)))
+            conn.endheaders(sent.encode())
+            resp = conn.getresponse()
+            answers.append((resp.status, resp.getheader("Set-Cookie"), resp.read()))
+        finally:
+            conn.close()
+    assert [a[0] for a in answers] == [200, 200]
+    assert answers[0][1] == "replica=r0; Path=/" and answers[1][1] is None
+    seen = stats(replicas["r0"])["headers"]
+    assert len(seen) == 2
+    for names in seen:
+        assert not {"accept", "accept-encoding", "user-agent", "cookie"} & set(names), names
+        assert "content-type" in names
 
 
 # -- errors --------------------------------------------------------------------------------
@@ -765,3 +800,55 @@ def test_redis_out_of_reach_is_a_503_and_an_unhealthy_instance(server, procs, na
     health = httpx.get(f"{front}/health", timeout=30)
     assert health.status_code == 503 and health.json()["error"]["type"] == "redis_unavailable"
     assert stats(replicas["r0"])["served"] == {"/v1/completions": 1}
+
+
+def test_requests_to_a_data_parallel_replica_carry_the_granted_rank_for_both_engines(
+    server, procs, name
+):
+    """A replica registered with dp_size is routed per rank: every request forwarded to it
+    names the lease's rank in vLLM's header and SGLang's body field, a session's turns keep
+    their rank, and a plain replica beside it gets neither."""
+    replicas = procs.replicas(2)
+    meta = json.dumps({"url": replicas["r0"], "dp_size": 4})
+    subprocess.run(
+        [sys.executable, "-m", "redis_router", "--redis", server.url, "--name", name,
+         "servers", "add", "r0", "--meta", meta],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    register(server, name, {"r1": replicas["r1"]})
+    (front,) = procs.fronts(server.url, name, 1)
+    where: dict[str, set[str]] = {}
+    with httpx.Client(base_url=front, timeout=30) as client:
+        for turn in range(3):
+            for s in range(10):
+                session = {"X-Session-ID": f"conv-{s}"}
+                if s % 2:
+                    body = {"model": "m", "messages": CHAT * (turn + 1)}
+                    resp = client.post("/v1/chat/completions", json=body, headers=session)
+                else:
+                    body = {"text": f"conv-{s} turn {turn}", "sampling_params": {}}
+                    resp = client.post("/generate", json=body, headers=session)
+                assert resp.status_code == 200, resp.text
+                where.setdefault(f"conv-{s}", set()).add(resp.headers["x-replica-id"])
+    assert all(len(units) == 1 for units in where.values()), where
+    seen = stats(replicas["r0"])
+    units = {u for w in where.values() for u in w if u.startswith("r0#dp")}
+    assert len(seen["dp_ranks"]) == 3 * sum(
+        1 for w in where.values() if next(iter(w)).startswith("r0#")
+    )
+    assert len(units) > 1  # sessions spread over the ranks
+    for (header, field), session in zip(seen["dp_ranks"], seen["sessions"], strict=True):
+        unit = next(iter(where[session]))
+        assert header == str(field) and unit == f"r0#dp{field}"
+    assert sorted(state(server, name)["dp_replicas"]["r0"]["units"]) == [
+        f"r0#dp{k}" for k in range(4)
+    ]
+    with httpx.Client(base_url=front, timeout=30) as client:  # drained and removed by its id
+        assert client.delete("/workers/r0", params={"drain": "1"}).status_code == 200
+        assert state(server, name)["draining_servers"] == [f"r0#dp{k}" for k in range(4)]
+        resp = client.post("/v1/completions", json={"prompt": "x"})
+        assert resp.headers["x-replica-id"] == "r1"
+        plain = stats(replicas["r1"])["dp_ranks"]
+        assert plain and all(ranks == [None, None] for ranks in plain)
+        assert client.delete("/workers/r0").json() == {"id": "r0", "removed": True}
+    assert sorted(state(server, name)["replicas"]) == ["r1"]

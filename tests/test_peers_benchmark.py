@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import peers, peers_gateways
+from benchmarks import peers, peers_fronts, peers_gateways
 from benchmarks.peers_http import BLOCK, AsyncClient, FakeReplicas, completion_body
 from redis_router.local_server import first_server_binary
 
@@ -77,8 +77,13 @@ def _by(data: dict[str, Any], measure: str) -> dict[str, dict[str, float]]:
     return {r["contender"]: r["values"] for r in data["rows"] if r["measure"] == measure}
 
 
+SERVE_PREFIX = [f.label for f in peers_fronts.FRONTS if "grpo" in f.measures]
+ORACLE = peers_fronts.ORACLE
+
+
 def test_quick_run_prints_finite_redis_router_rows(tmp_path: Path) -> None:
-    """redis-router's rows and the references, on the fake replicas (gateways off: their env
+    """redis-router's rows (the library, and `redis-router serve` instances as processes of
+    their own), the oracle and the references, on the fake replicas (gateways off: their env
     takes minutes to install; the next test runs them where it exists)."""
     stdout, data = _run(tmp_path, "--no-gateways", timeout=240)
     _check_printed_rows(stdout, data)
@@ -94,14 +99,29 @@ def test_quick_run_prints_finite_redis_router_rows(tmp_path: Path) -> None:
         ("balance_sparse", "redis-router, 4 processes on one Redis"),
         ("prefix_grpo", "redis-router prefix_cache, shipped defaults"),
         ("prefix_grpo", "redis-router prefix_cache, abs 64 / rel 1.5"),
+        ("latency", peers_fronts.SERVE),
+        ("latency", f"{peers_fronts.SERVE}, asyncio client"),
+        ("latency", ORACLE),
+        ("latency", f"{ORACLE}, asyncio client"),
+        ("throughput_0ms", peers_fronts.SERVE),
+        ("throughput_0ms", ORACLE),
+        ("throughput_20ms", peers_fronts.SERVE),
+        ("throughput_20ms", ORACLE),
+        ("balance", f"{peers_fronts.SERVE}, one per process"),
+        ("balance_sparse", f"{peers_fronts.SERVE}, one per process"),
+        *(("prefix_grpo", f"{label}, one per process") for label in SERVE_PREFIX),
+        *(("prefix_multiturn", f"{label}, 1 instance") for label in SERVE_PREFIX),
     ]:
         assert contender in _by(data, measure), (measure, contender)
-    # A session is sticky through any of the 4 instances: every turn lands on its first
-    # replica, so the hit rate is the one of sessions pinned by hand (same prompt lengths).
+    # The oracle routes nothing: it takes part in latency and throughput only.
+    assert not any(ORACLE in r["contender"] for r in data["rows"] if r["measure"] == "balance")
+    # A session is sticky through any of the 4 instances (balancer objects, or serve
+    # processes reached with its id in X-Session-ID): every turn lands on its first replica,
+    # so the hit rate is the one of sessions pinned by hand (same prompt lengths).
     mt = _by(data, "prefix_multiturn")
     ceiling = mt["each session pinned to one replica (ceiling)"]["hit_rate_pct"]
     roaming = [v["hit_rate_pct"] for k, v in mt.items() if "4 instances" in k]
-    assert len(roaming) == 2 and ceiling > 0
+    assert len(roaming) == 2 + len(SERVE_PREFIX) and ceiling > 0
     for rate in roaming:
         assert rate == pytest.approx(ceiling, abs=0.5)
     assert _by(data, "prefix_grpo")["ceiling (each group's first sample misses)"][

@@ -7,7 +7,10 @@ not) with words that name it, so one can see where each request went.
 It generates ``max_tokens`` words (default 4), one every ``--delay`` seconds (a request's
 ``X-Fake-Delay`` header overrides it); ``X-Fake-Status: 503`` makes it answer that status.
 ``GET /stats`` says what it served: requests by path, in flight now, the most in flight at
-once, streams the client broke off, and the request ids it was asked to abort.
+once, streams the client broke off, the request ids it was asked to abort, and the
+data-parallel rank each generation request named (vLLM's header, SGLang's body field).
+``GET /metrics`` answers vLLM's load gauges as vLLM names them (requests in flight as running,
+none waiting), for ``redis-router load``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from typing import Any
 
 from aiohttp import web
 
+from ..dp import SGLANG_FIELD, VLLM_HEADER
+
 
 class FakeReplica:
     def __init__(self, replica_id: str, delay: float, model: str) -> None:
@@ -29,6 +34,9 @@ class FakeReplica:
         self.inflight = self.peak = self.broken_off = 0
         self.aborted: list[str] = []
         self.sessions: list[str] = []
+        self.headers: list[list[str]] = []  # the header names of each generation request
+        # each generation request's data-parallel rank: [vLLM's header, SGLang's body field]
+        self.dp_ranks: list[list[Any]] = []
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -37,6 +45,7 @@ class FakeReplica:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/stats", self.stats)
+        app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/abort_request", self.abort)
         return app
 
@@ -47,6 +56,9 @@ class FakeReplica:
             return web.json_response({"error": {"message": "forced"}}, status=int(forced))
         self.served[request.path] = self.served.get(request.path, 0) + 1
         self.sessions.append(request.headers.get("X-Session-ID", ""))
+        self.headers.append(sorted(k.lower() for k in request.headers))
+        self.dp_ranks.append([request.headers.get(VLLM_HEADER), body.get(SGLANG_FIELD)])
+        cookie = request.headers.get("X-Fake-Set-Cookie")  # answered with Set-Cookie: <it>
         words = [f"{self.id}-w{i}" for i in range(int(body.get("max_tokens") or 4))]
         delay = float(request.headers.get("X-Fake-Delay", self.delay))
         self.inflight += 1
@@ -55,7 +67,8 @@ class FakeReplica:
             if body.get("stream"):
                 return await self._stream(request, words, delay)
             await asyncio.sleep(delay * len(words))
-            return web.json_response(self._answer(request.path, " ".join(words)))
+            extra = {"Set-Cookie": cookie} if cookie else None
+            return web.json_response(self._answer(request.path, " ".join(words)), headers=extra)
         finally:
             self.inflight -= 1
 
@@ -121,8 +134,20 @@ class FakeReplica:
                 "broken_off": self.broken_off,
                 "aborted": self.aborted,
                 "sessions": self.sessions,
+                "headers": self.headers,
+                "dp_ranks": self.dp_ranks,
             }
         )
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        labels = f'{{engine="0",model_name="{self.model}"}}'
+        text = (
+            "# TYPE vllm:num_requests_running gauge\n"
+            f"vllm:num_requests_running{labels} {float(self.inflight)}\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting{labels} 0.0\n"
+        )
+        return web.Response(text=text, content_type="text/plain")
 
     async def abort(self, request: web.Request) -> web.Response:
         rid = (await request.json()).get("rid")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import Awaitable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +13,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from .. import dp
 from ..aio import AsyncRedisLoadBalancer
 from ..errors import NoCapacity, NoServersAvailable, RedisUnavailable, ReplicaEjected
 from .routing import (
@@ -82,13 +83,6 @@ class Handlers:
         self.balancer, self.options, self.metrics = balancer, options, metrics
         self.declared = tuple(balancer.require_acquire_fields())
         self._client: aiohttp.ClientSession | None = None
-        self._pending: set[asyncio.Future[Any]] = set()
-
-    def _later(self, release: Awaitable[Any]) -> None:
-        """Run a release without making the response wait for it; kept until done."""
-        task = asyncio.ensure_future(release)
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
 
     @property
     def client(self) -> aiohttp.ClientSession:
@@ -215,14 +209,17 @@ class Handlers:
         return web.json_response({"workers": rows})
 
     async def add_worker(self, request: web.Request) -> web.Response:
-        """Register a replica (``redis-router servers add``): body {"id", "url", "capacity"?}."""
+        """Register a replica (``redis-router servers add``): body {"id", "url", "capacity"?,
+        "dp_size"?}."""
         path = request.path
         if not self._admitted(request):
             return self._refused(path)
         try:
             body = parse_json(await request.read())
             sid, url, capacity = _worker(body)
-            meta = {"url": url}
+            meta: dict[str, Any] = {"url": url}
+            if body.get("dp_size") is not None:  # one pool member per rank (redis_router.dp)
+                meta["dp_size"] = body["dp_size"]
             caps = None if capacity is None else {sid: capacity}
             added = await self.balancer.add_servers({sid: meta}, capacity=caps)
         except BadRequest as exc:
@@ -243,7 +240,8 @@ class Handlers:
             return self._refused(path)
         drain = request.query.get("drain", "0").lower() in ("1", "true", "yes")
         try:
-            if sid not in await self.balancer.get_all_servers():
+            pool = await self.balancer.get_all_servers()
+            if sid not in pool and all(dp.replica_of(u)[0] != sid for u in pool):
                 return self.error(path, 404, f"no replica {sid!r} in the pool", "not_found_error")
             if drain:
                 await self.balancer.drain_servers([sid])
@@ -308,16 +306,12 @@ class Handlers:
 
     def _count(self, path: str, status: int) -> None:
         if self.metrics is not None:
-            self.metrics.requests.labels(_endpoint(path), str(status)).inc()
+            self.metrics.answered(_endpoint(path), status)
 
 
 def forward_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
     """The client's headers for the replica, without hop-by-hop ones."""
-    out: CIMultiDict[str] = CIMultiDict()
-    for k, v in headers.items():
-        if k.lower() not in HOP_HEADERS:
-            out.add(k, v)
-    return out
+    return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in HOP_HEADERS])
 
 
 def pass_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:

@@ -13,6 +13,8 @@ replica, ejections, waits) is `redis-router exporter`'s; these say what this ins
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -49,6 +51,23 @@ class Metrics:
         self.inflight = Gauge(
             "redis_router_http_inflight", "Requests being served now.", registry=r
         )
+
+        # The labelled children in use (a lookup per request otherwise): endpoints and codes
+        # are bounded sets.
+        self._answered: dict[tuple[str, int], Any] = {}
+        self._upstream: dict[str, Any] = {}
+
+    def answered(self, endpoint: str, code: int) -> None:
+        child = self._answered.get((endpoint, code))
+        if child is None:
+            child = self._answered[endpoint, code] = self.requests.labels(endpoint, str(code))
+        child.inc()
+
+    def upstream_seconds(self, endpoint: str, seconds: float) -> None:
+        child = self._upstream.get(endpoint)
+        if child is None:
+            child = self._upstream[endpoint] = self.upstream.labels(endpoint)
+        child.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -25,9 +25,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.payload import BytesPayload
 from multidict import CIMultiDict
 
+from .. import dp
 from ..aio import AsyncLease
 from ..errors import ConfigMismatch, NoServersAvailable, RedisUnavailable
 from .handlers import (
@@ -45,6 +47,10 @@ __all__ = ["Front", "ServeOptions", "running"]
 # Seconds an idle upstream connection is kept: below uvicorn's 5 s keep-alive (vLLM, SGLang),
 # so the front rarely sends on a connection the replica is closing.
 KEEPALIVE_TIMEOUT = 4.0
+# The upstream client passes requests and answers through: no decompression, no headers of
+# its own (a replica compresses only for a client that asked), and no cookie jar (a replica's
+# Set-Cookie goes to its client, never into later requests of other clients).
+SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent")
 
 
 class Front(Handlers):
@@ -78,12 +84,14 @@ class Front(Handlers):
             limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_TIMEOUT
         )
         self._client = aiohttp.ClientSession(
-            connector=connector, timeout=timeout, auto_decompress=False
+            connector=connector,
+            timeout=timeout,
+            auto_decompress=False,
+            skip_auto_headers=SKIP_AUTO_HEADERS,
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
 
     async def _stop(self, _app: web.Application) -> None:
-        if self._pending:
-            await asyncio.wait(set(self._pending), timeout=5.0)
         if self._client is not None:
             await self._client.close()
 
@@ -156,9 +164,10 @@ class Front(Handlers):
                 started = time.perf_counter()
                 upstream: aiohttp.ClientResponse | None = None
                 try:
-                    upstream = await self._send(request.method, url + target, raw, headers)
+                    sent, to = _to_rank(lease.handle, route, raw, headers)
+                    upstream = await self._send(request.method, url + target, sent, to)
                     if self.metrics is not None:
-                        self.metrics.upstream.labels(path).observe(time.perf_counter() - started)
+                        self.metrics.upstream_seconds(path, time.perf_counter() - started)
                     streaming = route.stream or _is_sse(upstream)
                     first = await (upstream.content.readany() if streaming else upstream.read())
                 except aiohttp.ConnectionTimeoutError as exc:  # never reached: try another
@@ -167,7 +176,7 @@ class Front(Handlers):
                 except asyncio.TimeoutError:  # --upstream-timeout: it may be working on it
                     if upstream is not None:
                         upstream.close()
-                    self._later(lease.fail())
+                    lease.fail()  # queued now, answered in the background
                     return self.error(
                         path,
                         504,
@@ -183,12 +192,12 @@ class Front(Handlers):
                 except BaseException:
                     if upstream is not None:
                         upstream.close()
-                    self._later(lease.release())
+                    lease.release()  # queued now, answered in the background
                     raise
                 return lease, upstream, first, streaming
         finally:
             if failed is not None:
-                self._later(failed.fail())
+                failed.fail()  # queued now, answered in the background
         attempts = self.options.retries + 1
         return self.error(
             path,
@@ -210,7 +219,7 @@ class Front(Handlers):
             retry = f"{request_id}{RETRY_MARK}{attempt}"
             return await self.balancer.acquire(retry, wait=self.options.wait, **fields)
         finally:
-            self._later(lease.release())
+            lease.release()  # queued now, answered in the background
 
     async def _send(
         self, method: str, url: str, raw: bytes, headers: CIMultiDict[str]
@@ -218,9 +227,9 @@ class Front(Handlers):
         """One upstream request; sent once more at once when a pooled connection turns out
         to have been closed by the replica (its keep-alive ran out), which is no failure."""
         try:
-            return await self.client.request(method, url, data=raw or None, headers=headers)
+            return await self.client.request(method, url, data=_payload(raw), headers=headers)
         except aiohttp.ServerDisconnectedError:
-            return await self.client.request(method, url, data=raw or None, headers=headers)
+            return await self.client.request(method, url, data=_payload(raw), headers=headers)
 
     async def _respond(
         self,
@@ -265,13 +274,34 @@ class Front(Handlers):
                 upstream.release()
             else:
                 upstream.close()  # the replica sees the disconnect and stops generating
-            self._later(lease.fail() if failed else lease.release())
+            # Queued now, answered in the background (the balancer's close() waits for it).
+            lease.fail() if failed else lease.release()
 
     # -- the rest of the API ---------------------------------------------------------------
 
 
+def _to_rank(
+    handle: Any, route: Route, raw: bytes, headers: CIMultiDict[str]
+) -> tuple[bytes, CIMultiDict[str]]:
+    """The body and headers sent to a lease's replica: for a rank of a data-parallel replica
+    (redis_router.dp), vLLM's rank header added and SGLang's rank field set in a JSON body."""
+    rank = dp.vllm_headers(handle)
+    if not rank:
+        return raw, headers
+    headers = headers.copy()
+    headers.update(rank)
+    return dp.rank_body(handle, route.body) or raw, headers
+
+
 def _is_sse(resp: aiohttp.ClientResponse) -> bool:
-    return resp.content_type == "text/event-stream"
+    """The response is server-sent events (its media type, read without parsing the rest)."""
+    kind = resp.headers.get(hdrs.CONTENT_TYPE)
+    return kind is not None and kind[:17].lower() == "text/event-stream"
+
+
+def _payload(raw: bytes) -> BytesPayload | None:
+    """The body as it came (given as a payload: aiohttp's lookup by type is skipped)."""
+    return BytesPayload(raw) if raw else None
 
 
 @contextlib.asynccontextmanager

@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from .. import dp
 from ..errors import (
     ConfigMismatch,
     NoCapacity,
@@ -67,12 +68,24 @@ class _Rules:
         return route, route.fields(self.declared)
 
 
-def _retarget(request: httpx.Request, base: str, raw: bytes) -> httpx.Request:
-    """The request, sent to the replica at ``base`` (its path and query kept)."""
-    headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() != "host"]
+def _retarget(
+    request: httpx.Request, base: str, raw: bytes, handle: Any, route: Route
+) -> httpx.Request:
+    """The request, sent to the replica at ``base`` (its path and query kept); for a rank of
+    a data-parallel replica (redis_router.dp), with vLLM's rank header and SGLang's rank
+    field in a JSON body."""
+    rank = dp.vllm_headers(handle)
+    body = dp.rank_body(handle, route.body) if rank else None
+    drop = {"host", *(k.lower() for k in rank)} | ({"content-length"} if body else set())
+    headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() not in drop]
+    headers += rank.items()
     url = httpx.URL(base + request.url.raw_path.decode("ascii"))
     return httpx.Request(
-        request.method, url, headers=headers, content=raw, extensions=request.extensions
+        request.method,
+        url,
+        headers=headers,
+        content=body or raw,
+        extensions=request.extensions,
     )
 
 
@@ -151,7 +164,9 @@ class AsyncRouterTransport(httpx.AsyncBaseTransport):
                     failed, why = lease, f"replica {lease.server_id!r} has no url in its metadata"
                     continue
                 try:
-                    resp = await self._inner.handle_async_request(_retarget(request, base, raw))
+                    resp = await self._inner.handle_async_request(
+                        _retarget(request, base, raw, lease.handle, route)
+                    )
                 except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never reached
                     failed, why = lease, f"replica {lease.server_id!r}: {exc!r}"
                     continue
@@ -247,7 +262,9 @@ class RouterTransport(httpx.BaseTransport):
                     failed, why = lease, f"replica {lease.server_id!r} has no url in its metadata"
                     continue
                 try:
-                    resp = self._inner.handle_request(_retarget(request, base, raw))
+                    resp = self._inner.handle_request(
+                        _retarget(request, base, raw, lease.handle, route)
+                    )
                 except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never reached
                     failed, why = lease, f"replica {lease.server_id!r}: {exc!r}"
                     continue
