@@ -107,7 +107,7 @@ def heard(lb: RedisLoadBalancer) -> Iterator[None]:
     like a pause of Redis), and its leases stay to be shown awaiting reclaim."""
     c = lb._core
     args = (f"{c.holder}-heard", 1000, c.sticky_ms, c.max_age_ms, RESEND_WINDOW_MS, 0,
-            *c.routing, c.ejection)  # fmt: skip
+            *c.routing, c.ejection, c.engine, c.min_cached, c.spread)  # fmt: skip
     stop = threading.Event()
 
     def beat() -> None:
@@ -217,6 +217,84 @@ def health(url: str) -> Iterator[None]:
         lb.close()
         http.shutdown()
         http.server_close()
+
+
+# What a vLLM replica (two data-parallel engines) and an SGLang one answer on /metrics.
+ENGINE_METRICS = {
+    "/vllm/metrics": """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="Qwen/Qwen3-8B"} 12.0
+vllm:num_requests_running{engine="1",model_name="Qwen/Qwen3-8B"} 9.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="Qwen/Qwen3-8B"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="Qwen/Qwen3-8B"} 0.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen3-8B"} 0.82
+vllm:kv_cache_usage_perc{engine="1",model_name="Qwen/Qwen3-8B"} 0.64
+""",
+    "/sglang/metrics": """\
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="Qwen/Qwen3-8B"} 7.0
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="Qwen/Qwen3-8B"} 0.0
+# TYPE sglang:token_usage gauge
+sglang:token_usage{model_name="Qwen/Qwen3-8B"} 0.31
+""",
+}
+
+
+class _Metrics(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = ENGINE_METRICS.get(self.path)
+        self.send_response(200 if body else 404)
+        self.end_headers()
+        self.wfile.write((body or "").encode())
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@scenario
+def engines(url: str) -> Iterator[None]:
+    """A vLLM replica with two data-parallel engines, an SGLang one, and one whose port nothing
+    listens on, each naming its url (the reporter appends /metrics)."""
+    http = ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    port = http.server_address[1]
+    servers = {
+        "vllm-0": {"url": f"http://127.0.0.1:{port}/vllm"},
+        "vllm-1": {"url": "http://127.0.0.1:1"},  # port 1: nothing listens
+        "sglang-0": {"url": f"http://127.0.0.1:{port}/sglang"},
+    }
+    lb = RedisLoadBalancer(servers, redis=url, name="rollout", rng=random.Random(SEED))
+    try:
+        for s in range(5):
+            lb.acquire(f"session-{s}")
+        yield
+    finally:
+        lb.close()
+        http.shutdown()
+        http.server_close()
+
+
+@scenario
+def dp(url: str) -> Iterator[None]:
+    """Two vLLM servers with 4 data-parallel ranks each, sessions spread over the ranks and
+    some in flight."""
+    servers = {f"moe-{i}": {"url": f"http://10.0.0.{i + 1}:8000", "dp_size": 4} for i in range(2)}
+    lb = RedisLoadBalancer(
+        servers, redis=url, name="rollout", lease_ttl=3600, rng=random.Random(SEED)
+    )
+    try:
+        for _turn in range(3):
+            for s in range(12):
+                lb.acquire(f"session-{s}").release()
+        held = [lb.acquire(f"long-{i}") for i in range(6)]
+        yield
+        for lease in held:
+            lease.release()
+    finally:
+        lb.close()
 
 
 @scenario

@@ -18,6 +18,9 @@ for i = 1, #ARGV, 3 do
   if not pool_of(id) and not redis.call('ZSCORE', P .. 'off', id) then
     redis.call('ZADD', P .. 'load', 0, id)
     redis.call('ZADD', P .. 'weighted', 'NX', 0, id)
+    for _, zs in ipairs({ 'escore', 'wscore' }) do -- engine-aware scores, while they exist
+      if redis.call('EXISTS', P .. zs) == 1 then redis.call('ZADD', P .. zs, 0, id) end
+    end
     added = added + 1
     admit().wake_first()
   end

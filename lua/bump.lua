@@ -8,7 +8,8 @@
 -- Returns  { the new weight version, locality keys deleted, sticky entries forgotten }
 -- Keeps    I1, I2 (leases, counts, holders untouched), I7. Drops the documented locality
 --          records: group placements (group:<b>), the prefix-cache index (pc:idx, pc:lru,
---          pc:n), every key in P.."locality" or ARGV, with ARGV[3] = 1 the sticky buckets.
+--          pc:n), every key in P.."locality" or ARGV, with ARGV[3] = 1 the sticky buckets
+--          and the pinned-session counts.
 -- Uses     lib/base
 local width, span = tonumber(ARGV[1]), tonumber(ARGV[2])
 local cur = math.floor(now_ms() / width)
@@ -27,5 +28,6 @@ if ARGV[3] == '1' then
     sticky = sticky + redis.call('HLEN', key)
     redis.call('DEL', key, P .. 'stickyn:' .. int(b))
   end
+  redis.call('DEL', P .. 'pinned') -- the replicas' pinned sessions (lib/picking)
 end
 return { redis.call('INCR', P .. 'weight_version'), deleted, sticky }

@@ -3,7 +3,7 @@
 -- ARGV[1]  sticky bucket width (ms)    ARGV[2]  buckets to search back
 -- Returns  { sticky entries forgotten, flat array: server id, in-flight, ... for the pool }
 --          (what verl's rebalancing reads: how many sessions were unpinned, and the load).
--- Keeps    I1 (leases and counts untouched).
+-- Keeps    I1 (leases and counts untouched), I13 (the pinned-session counts go with them).
 -- Uses     lib/base
 local width, span = tonumber(ARGV[1]), tonumber(ARGV[2])
 local cur = math.floor(now_ms() / width)
@@ -13,6 +13,7 @@ for b = cur + 1, cur - span, -1 do
   n = n + redis.call('HLEN', key)
   redis.call('DEL', key, P .. 'stickyn:' .. int(b))
 end
+redis.call('DEL', P .. 'pinned') -- the replicas' pinned sessions (lib/picking)
 local loads = {}
 for _, zs in ipairs({ 'load', 'draining', 'off' }) do
   for _, v in ipairs(redis.call('ZRANGE', P .. zs, 0, -1, 'WITHSCORES')) do loads[#loads + 1] = v end

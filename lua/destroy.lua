@@ -25,7 +25,8 @@ for _, k in ipairs({ 'servers', 'load', 'draining', 'leases', 'byreq', 'holders'
                      'acquires', 'sticky_hits', 'reclaimed', 'repins', 'config', 'weights',
                      'weighted', 'locality', 'weight_version', 'off', 'back', 'capacity',
                      'ejected', 'eject_why', 'fails', 'ejections', 'failures', 'waiters',
-                     'waiting', 'waitseq', 'waitstats', 'clock', 'heal' }) do
+                     'waiting', 'waitseq', 'waitstats', 'clock', 'heal', 'engine',
+                     'engine_at', 'escore', 'eextra', 'wscore', 'wextra', 'pinned' }) do
   n = n + redis.call('DEL', P .. k)
 end
 return n

@@ -41,6 +41,8 @@ for k = 1, #scan[2], 2 do
     if c then
       if tonumber(c) ~= n then
         redis.call('ZADD', P .. zs, n, id)
+        local e = tonumber(redis.call('HGET', P .. 'eextra', id)) or 0
+        redis.call('ZADD', P .. 'escore', 'XX', tostring(n + e), id) -- I12, while it exists
         fixed = fixed + 1
         if zs == 'off' then admit().put_back(id) end
       end

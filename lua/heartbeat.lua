@@ -1,10 +1,10 @@
 -- heartbeat.lua: one balancer instance's periodic keep-alive, sent from the background.
 -- KEYS[1]  key prefix "rr:{NAME}:"
 -- ARGV[1]  holder            ARGV[2]  lease ttl (ms): the holder is alive until now + this
--- ARGV[3]  sticky ttl (ms), checked against the pinned one
+-- ARGV[3]  sticky ttl (ms), checked against the pinned one    ARGV[6]  budget (entries)
 -- ARGV[4]  max lease age (ms): this holder's leases acquired (or renewed) longer ago end now
--- ARGV[5]  how long resent releases are recognised (ms)      ARGV[6]  budget (entries)
--- ARGV[7..11] affinity margin, ratio, group cap, group_by, ejection ("" = off): as ARGV[3]
+-- ARGV[5]  how long resent releases are recognised (ms)    ARGV[7..14] affinity margin, ratio,
+--          group cap, group_by, ejection, engine scoring, min cached, spread_sessions: as [3]
 -- Returns  { 1 if the holder was registered anew (it had been declared dead: its leases were
 --          reclaimed), leases of dead holders reclaimed, entries examined for that (the caller
 --          goes on with reap.lua while it is the budget), tokens of this holder's leases that
@@ -23,7 +23,7 @@ local budget = tonumber(ARGV[6])
 local horizon = liveness(now, tonumber(ARGV[2]))
 local known = redis.call('ZSCORE', P .. 'holders', holder)
 local refused = heartbeat(holder, now, tonumber(ARGV[2]), ARGV[3], ARGV[7], ARGV[8], ARGV[9],
-  ARGV[10], ARGV[11])
+  ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[14])
 if refused then return refused end
 -- Ejections whose time is up end even while nobody acquires, and a waiter whose process died
 -- passes its turn on (lib/leases.lua).

@@ -4,7 +4,7 @@
 -- Returns  how many ids were in the pool.
 -- Keeps    I6: no later acquire reaches them (their sticky sessions are re-balanced on their
 --          next turn) and a late release for them finds no lease: a no-op. I1: their leases
---          and counts go together.
+--          and counts go together. Their engine reports (lib/engine.lua) go too.
 -- Uses     lib/base, lib/admission, lib/leases
 local removed = 0
 for _, id in ipairs(ARGV) do
@@ -12,6 +12,10 @@ for _, id in ipairs(ARGV) do
   for _, token in ipairs(redis.call('ZRANGE', held, 0, -1)) do end_lease(token) end
   redis.call('DEL', held)
   redis.call('ZREM', P .. 'weighted', id)
+  redis.call('ZREM', P .. 'escore', id)
+  redis.call('HDEL', P .. 'eextra', id)
+  redis.call('ZREM', P .. 'wscore', id)
+  redis.call('HDEL', P .. 'wextra', id)
   removed = removed + redis.call('ZREM', P .. 'load', id) + redis.call('ZREM', P .. 'draining', id)
     + redis.call('ZREM', P .. 'off', id)
   redis.call('ZREM', P .. 'ejected', id)
@@ -24,5 +28,7 @@ for _, id in ipairs(ARGV) do
   redis.call('HDEL', P .. 'sticky_hits', id)
   redis.call('HDEL', P .. 'reclaimed', id)
   redis.call('HDEL', P .. 'repins', id)
+  redis.call('HDEL', P .. 'engine', id)
+  redis.call('ZREM', P .. 'engine_at', id)
 end
 return removed

@@ -1,15 +1,16 @@
 -- status.lua: one consistent snapshot of the balancer, for get_status and operators.
 -- KEYS[1]  key prefix "rr:{NAME}:"
 -- ARGV[1]  sticky bucket width (ms)    ARGV[2]  buckets to search back
+-- Keeps    read only.
 -- Returns  { sticky session total, now (ms), rows, holders, waiting } where each row is
 --          { id, in-flight, draining (0/1), leases, sticky sessions, acquires,
 --            sticky hits, reclaimed, JSON metadata, sticky sessions re-pinned away from it
---            by the affinity margin, then health (below) } for every replica (full or ejected
---            ones too), holders is { live, dead, leases of dead holders awaiting reclaim,
---            live ones on probation after a pause of Redis, ms the probation has left },
+--            by the affinity margin, then health (below), then its engine report ("" = none,
+--            lib/engine.lua) } for every replica (full or ejected ones too), holders is { live,
+--            dead, leases of dead holders awaiting reclaim, live ones on probation after a
+--            pause of Redis, ms the probation has left },
 --          waiting is { waiting now, the first one's wait so far (ms), served after waiting,
 --          their total and longest wait (ms), given up, abandoned (process died) }
--- Keeps    read only.
 -- Health   per row: capacity ("" = none), ejected until (ms, "" = not), why, failures in a
 --          row, failures reported, ejections in a row.
 -- Uses     lib/base
@@ -48,6 +49,7 @@ for d, zs in ipairs({ 'load', 'draining', 'off' }) do
       tonumber(redis.call('HGET', P .. 'fails', id) or 0),
       tonumber(redis.call('HGET', P .. 'failures', id) or 0),
       tonumber(redis.call('HGET', P .. 'ejections', id) or 0),
+      redis.call('HGET', P .. 'engine', id) or '',
     }
   end
 end

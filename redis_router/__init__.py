@@ -1,8 +1,9 @@
 """redis-router: one global load balancer for LLM inference replicas, shared through Redis."""
 
-from .aio import AsyncLease, AsyncRedisLoadBalancer
+from .aio import AsyncLease, AsyncRedisLoadBalancer, AsyncReleased
 from .balancer import Lease, RedisLoadBalancer
 from .client import RouterClient
+from .engine import EngineLoad
 from .errors import (
     ConfigMismatch,
     NoCapacity,
@@ -14,14 +15,19 @@ from .errors import (
     RouterConfigError,
 )
 from .loader import get_router_handle
+from .outbox import Released
 from .protocol import AsyncRequestLoadBalancer, RequestLoadBalancer
+from .scoring import EngineScoring
 from .verl import VerlRouter
 
 __all__ = [
     "AsyncLease",
     "AsyncRedisLoadBalancer",
+    "AsyncReleased",
     "AsyncRequestLoadBalancer",
     "ConfigMismatch",
+    "EngineLoad",
+    "EngineScoring",
     "Lease",
     "NoCapacity",
     "NoServersAvailable",
@@ -29,6 +35,7 @@ __all__ = [
     "RedisOutOfMemory",
     "RedisRouterError",
     "RedisUnavailable",
+    "Released",
     "ReplicaEjected",
     "RequestLoadBalancer",
     "RouterClient",

@@ -14,17 +14,20 @@ import logging
 import random
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mapping, Sequence
 from typing import Any
 
 from redis import exceptions as rx
 
 from . import health, keeper, validation
-from .coalesce import Coalescer
+from .coalesce import MAX_BATCH, Coalescer, Outcomes
 from .connection import (
     TRANSIENT_BACKOFF,
     client_for,
     connect,
+    direct_pool,
+    final_failure,
+    resends,
     resolve_url,
     send_failure,
     sentinel_check_due,
@@ -45,6 +48,8 @@ from .core import (
     new_tokens,
     probation_wait,
 )
+from .direct import Pipe
+from .engine import EngineLoad
 from .errors import (
     NoCapacity,
     NoServersAvailable,
@@ -54,6 +59,7 @@ from .errors import (
 )
 from .invoke import Sender
 from .policy import LeastLoaded, RoutingPolicy
+from .scoring import EngineScoring
 
 log = logging.getLogger("redis_router")
 
@@ -63,12 +69,42 @@ KEEPER_STOP_TIMEOUT = 5.0
 # A coalesced acquire: request id, the token of an earlier attempt (or None), the policy's
 # arguments for it.
 _AcquireItem = tuple[str, str | None, tuple[str, ...]]
+# The same with its token: the earlier attempt's, or a new one.
+_Filled = tuple[str, str, tuple[str, ...]]
 # A coalesced release: server id, request id, token, whether the request failed.
 _ReleaseItem = tuple[str, str | None, str | None, bool]
 
 
+class AsyncReleased:
+    """A release on its way: queued at once (ahead of every later call of its balancer) and
+    answered in the background. ``await`` it for its result, True if a lease ended; awaiting
+    is optional, and cancelling the awaiting task does not stop the release."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: asyncio.Future[bool]) -> None:
+        self._future = future
+
+    def __await__(self) -> Generator[Any, None, bool]:
+        return asyncio.shield(self._future).__await__()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> bool:
+        """The result once done (asyncio.InvalidStateError before)."""
+        return self._future.result()
+
+    def __repr__(self) -> str:
+        if not self._future.done():
+            return "AsyncReleased(pending)"
+        if self._future.cancelled() or self._future.exception() is not None:
+            return "AsyncReleased(failed)"
+        return f"AsyncReleased(result={self._future.result()!r})"
+
+
 class AsyncLease:
-    """One request's hold on a replica; ``await release()`` ends it exactly once."""
+    """One request's hold on a replica; ``release()`` ends it exactly once."""
 
     __slots__ = ("_balancer", "_released", "handle", "request_id", "server_id", "sticky", "token")
 
@@ -84,24 +120,21 @@ class AsyncLease:
             return False
         return await self._balancer._run(self._balancer._core.renew(self.token))
 
-    async def release(self) -> bool:
-        """End the lease. True if this call ended it. Safe to call from a cancelled task's
-        cleanup: the release itself is shielded from cancellation."""
+    def release(self) -> AsyncReleased:
+        """End the lease without waiting for Redis (see release_server); ``await`` it for the
+        result, True if this call ended it. Safe from a cancelled task's cleanup: the release
+        goes out whatever happens to the task awaiting it."""
         if self._released:
-            return False
+            return self._balancer._post_done(False)
         self._released = True
-        release = self._balancer._release_one(self.server_id, self.request_id, self.token)
-        return await asyncio.shield(release)
+        return self._balancer._post(self.server_id, self.request_id, self.token)
 
-    async def fail(self) -> bool:
+    def fail(self) -> AsyncReleased:
         """End the lease and report that its request failed (see Lease.fail)."""
         if self._released:
-            return False
+            return self._balancer._post_done(False)
         self._released = True
-        b = self._balancer
-        return await asyncio.shield(
-            b._release_one(self.server_id, self.request_id, self.token, True)
-        )
+        return self._balancer._post(self.server_id, self.request_id, self.token, True)
 
     def __repr__(self) -> str:
         return f"AsyncLease(server_id={self.server_id!r}, request_id={self.request_id!r})"
@@ -149,6 +182,8 @@ class AsyncRedisLoadBalancer:
         max_ejected: float = health.MAX_EJECTED,
         ejected_sticky: str = "move",
         wait_timeout: float = 0.0,
+        engine_scoring: EngineScoring | Mapping[str, Any] | bool | None = None,
+        spread_sessions: bool = False,
         coalesce: bool = True,
         **policy_options: Any,
     ) -> None:
@@ -176,6 +211,8 @@ class AsyncRedisLoadBalancer:
             max_ejected=max_ejected,
             ejected_sticky=ejected_sticky,
             wait_timeout=wait_timeout,
+            engine_scoring=engine_scoring,
+            spread_sessions=spread_sessions,
         )
         self._keeper: asyncio.Future[None] | None = None
         self._initial = validation.servers_mapping(servers) if servers is not None else {}
@@ -187,7 +224,15 @@ class AsyncRedisLoadBalancer:
         self._coalesce = coalesce
         self._acquires: Coalescer[_AcquireItem, Grant] | None = None
         self._releases: Coalescer[_ReleaseItem, bool] | None = None
+        # Coalesced acquires and releases, written in order on a connection of the
+        # balancer's own (redis_router.direct); releases posted in one turn of the event loop
+        # go in one call, written at the start of the next turn.
+        self._pipe: Pipe | None = None
+        self._outgoing: list[tuple[_ReleaseItem, asyncio.Future[bool]]] = []
         self._make_coalescers()
+        # Releases posted and not yet answered, awaited by close().
+        self._posted: set[asyncio.Future[bool]] = set()
+        self._tasks: set[asyncio.Future[None]] = set()  # background sends, referenced
         # The event loop the client's connections, the keeper and the coalescers belong to.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._core.on_acquire = self._keep_alive
@@ -195,8 +240,16 @@ class AsyncRedisLoadBalancer:
 
     def _make_coalescers(self) -> None:
         if self._coalesce:
-            self._acquires = Coalescer(self._acquire_batch, self._release_orphan)
+            self._acquires = Coalescer(
+                self._acquire_batch, self._release_orphan, self._write_acquires
+            )
             self._releases = Coalescer(self._release_batch)
+            # None through a Cluster or Sentinel client (connection.direct_pool).
+            pool = direct_pool(self._client)
+            if pool is not None:
+                self._pipe = Pipe(
+                    pool, self._command, self._exec, self._refused, resends(self._client)
+                )
 
     # -- the event loop --------------------------------------------------------------------
 
@@ -259,22 +312,40 @@ class AsyncRedisLoadBalancer:
     async def _send(self, call: Call) -> Any:
         return await self._scripts.send_async(call.script, self._core.prefix, call.args)
 
-    async def _drive(self, op: Op[T]) -> T:
+    def _refused(self, exc: Exception) -> Exception:
+        """What a script's error reply raises (as _exec would raise it)."""
+        return final_failure(exc, self.url, self._core.script_error)
+
+    def _command(self, call: Call) -> tuple[Any, ...] | None:
+        return self._scripts.command(call.script, self._core.prefix, call.args)
+
+    async def _drive(self, op: Op[T], pipe: Pipe | None = None) -> T:
+        send = self._exec if pipe is None else pipe.send
         try:
             call = next(op)
             while True:
-                call = op.send(await self._exec(call))
+                call = op.send(await send(call))
         except StopIteration as stop:
             result: T = stop.value
             return result
         finally:
             op.close()  # a failed call's operation still runs its cleanup, now
 
-    async def _run(self, op: Op[T]) -> T:
+    async def _run(self, op: Op[T], ordered: bool = False) -> T:
+        """Run an operation; ``ordered``: on the balancer's ordered connection, behind the
+        releases written before it (when it has one)."""
         self._bind()
         if not _succeeded(self._setup):
             await self._ensure_setup()
-        return await self._drive(op)
+        return await self._drive(op, self._pipe if ordered else None)
+
+    async def _call(self, op: Op[T]) -> T:
+        """Run an operation after the releases this balancer has posted, so that it sees
+        them (reads, pool changes: everything but the coalesced acquires and releases, which
+        go out in the order they were made)."""
+        if self._posted:
+            await asyncio.wait(set(self._posted))
+        return await self._run(op)
 
     async def _ensure_setup(self) -> None:
         self._bind()
@@ -293,6 +364,9 @@ class AsyncRedisLoadBalancer:
             except (rx.RedisClusterException, rx.ConnectionError, rx.TimeoutError) as exc:
                 raise RedisUnavailable(unavailable_message(self.url, exc)) from None
         await self._drive(self._core.setup(self._initial))
+        if self._pipe is not None:  # releases are written at once from the first on
+            await self._scripts.preload_async(self._core.release_script)
+            await self._pipe.open()
 
     def _keep_alive(self) -> None:
         """Start (or restart, on another event loop) the heartbeat task: from the first
@@ -341,12 +415,10 @@ class AsyncRedisLoadBalancer:
         error = call.exception()
         if error is None:
             for grant in call.result():
-                _release_in_background(
-                    self._release_one(grant.server_id, grant.request_id, grant.token)
-                )
+                self._post(grant.server_id, grant.request_id, grant.token)
         elif isinstance(error, RedisUnavailable):
             for rid, token in zip(request_ids, tokens, strict=True):
-                _release_in_background(self._release_one("", rid, token))
+                self._post("", rid, token)
 
     async def _admitted(
         self,
@@ -453,21 +525,114 @@ class AsyncRedisLoadBalancer:
         args = self._core.request_args(request_id, fields)
         return await self._acquires.submit((request_id, token, args))
 
-    async def _acquire_batch(self, items: list[_AcquireItem]) -> list[Grant | BaseException]:
-        rids = [rid for rid, _, _ in items]
-        fresh = iter(new_tokens(len(items)))
-        tokens = [token if token is not None else next(fresh) for _, token, _ in items]
-        args = [a for _, _, a in items]
+    def _write_acquires(
+        self, items: list[_AcquireItem], done: Callable[[Outcomes[Grant]], None]
+    ) -> bool:
+        """The coalescer's ``write``: write a batch of acquires on the pipe now and hand
+        ``done`` their outcomes from where the reply is read. False (the batch goes by
+        :meth:`_acquire_batch`) when the pipe is not open or releases sent the ordinary way
+        are still in flight (they go first)."""
+        pipe = self._pipe
+        if pipe is None or not pipe.ready or self._tasks or not _succeeded(self._setup):
+            return False
+        filled = _with_tokens(items)
+        op = self._core.acquire(
+            [rid for rid, _, _ in filled],
+            [token for _, token, _ in filled],
+            args=[a for _, _, a in filled],
+        )
+        # Releases still in _outgoing were posted after these acquires (those posted before
+        # were written by their own callback, scheduled first): they go after, in order.
+        call = next(op)
+        handle = functools.partial(self._acquires_answered, op, call, filled, done)
+        if not pipe.write_then(call, handle):
+            op.close()
+            return False
+        return True
+
+    def _acquires_answered(
+        self,
+        op: Op[list[Grant]],
+        call: Call,
+        items: list[_Filled],
+        done: Callable[[Outcomes[Grant]], None],
+        reply: Any,
+    ) -> None:
+        """A written batch's raw reply (see :meth:`_write_acquires`)."""
+        if isinstance(reply, BaseException):
+            assert self._pipe is not None  # only the pipe's calls are answered here
+            error = self._pipe.failure(reply)
+            if error is None:  # the call did not run, or may not have: the ordinary way
+                self._later(self._acquires_again(op, call, items, done))
+                return
+            op.close()
+            self._acquires_refused(items, done, error)
+            return
         try:
-            return list(await self._acquire(rids, tokens, args=args))
+            op.send(reply)
+            raise RuntimeError("an acquire made a second call")  # pragma: no cover
+        except StopIteration as stop:
+            done(list(stop.value))
+        except NoServersAvailable as exc:
+            self._acquires_refused(items, done, exc)
+        except Exception as exc:
+            done(exc)
+        finally:
+            op.close()
+
+    async def _acquires_again(
+        self,
+        op: Op[list[Grant]],
+        call: Call,
+        items: list[_Filled],
+        done: Callable[[Outcomes[Grant]], None],
+    ) -> None:
+        try:
+            reply = await self._exec(call)
+        except Exception as exc:
+            op.close()
+            done(exc)
+            return
+        self._acquires_answered(op, call, items, done, reply)
+
+    def _acquires_refused(
+        self,
+        items: list[_Filled],
+        done: Callable[[Outcomes[Grant]], None],
+        error: BaseException,
+    ) -> None:
+        """A batch refused whole: each request is tried by itself (:meth:`_one_by_one`)."""
+        if len(items) == 1 or not isinstance(error, NoServersAvailable):
+            done(error)
+            return
+
+        async def each() -> None:
+            done(await self._one_by_one(items))
+
+        self._later(each())
+
+    async def _acquire_batch(self, items: list[_AcquireItem]) -> list[Grant | BaseException]:
+        if self._tasks:  # releases sent the ordinary way (the pipe was not open) go first
+            await asyncio.wait(set(self._tasks))
+        filled = _with_tokens(items)
+        rids = [rid for rid, _, _ in filled]
+        tokens = [token for _, token, _ in filled]
+        args = [a for _, _, a in filled]
+        try:
+            # The flusher's own task: its callers' cancellations never reach it (the
+            # coalescer releases what a cancelled caller was granted), so it needs no shield.
+            return list(await self._run(self._core.acquire(rids, tokens, args=args), True))
         except NoServersAvailable:
             if len(items) == 1:
                 raise
-        # A batch is refused whole when one request has nowhere to go; alone, a request
-        # sticky to a draining replica is still served, so each is tried by itself. Every
-        # outcome reaches its own caller: a grant is never lost to a later item's error.
+        return await self._one_by_one(filled)
+
+    async def _one_by_one(self, items: list[_Filled]) -> list[Grant | BaseException]:
+        """A batch is refused whole when one request has nowhere to go; alone, a request
+        sticky to a draining replica is still served, so each is tried by itself. Every
+        outcome reaches its own caller: a grant is never lost to a later item's error."""
         outcomes: list[Grant | BaseException] = []
-        for rid, token, a in zip(rids, tokens, args, strict=True):
+        for rid, token, a in items:
             try:
                 outcomes.append((await self._acquire([rid], [token], args=[a]))[0])
             except RedisRouterError as exc:
@@ -476,24 +641,102 @@ class AsyncRedisLoadBalancer:
 
     def _release_orphan(self, _item: _AcquireItem, grant: Grant) -> None:
         """A caller was cancelled after its acquire was sent: end the lease it never got."""
-        _release_in_background(self._release_one(grant.server_id, grant.request_id, grant.token))
+        self._post(grant.server_id, grant.request_id, grant.token)
 
-    async def _release_one(
+    def _post(
         self,
         server_id: str,
         request_id: str | None,
         token: str | None = None,
         failed: bool = False,
-    ) -> bool:
+    ) -> AsyncReleased:
+        """Queue a release now and let it be answered in the background."""
         self._bind()
-        if self._releases is None:
-            return await self._run(self._core.release(server_id, request_id, token, failed))
-        return await self._releases.submit((server_id, request_id, token, failed))
+        future: asyncio.Future[bool]
+        if self._pipe is not None and _succeeded(self._setup):
+            loop = asyncio.get_running_loop()
+            future = loop.create_future()
+            if not self._outgoing:
+                loop.call_soon(self._write_releases)
+            self._outgoing.append(((server_id, request_id, token, failed), future))
+        elif self._releases is None:
+            future = asyncio.ensure_future(
+                self._run(self._core.release(server_id, request_id, token, failed))
+            )
+        else:
+            future = self._releases.put((server_id, request_id, token, failed))
+        self._posted.add(future)
+        future.add_done_callback(self._answered)
+        return AsyncReleased(future)
 
-    async def _release_batch(self, items: list[_ReleaseItem]) -> list[bool | BaseException]:
+    def _write_releases(self) -> None:
+        """Write the releases posted since the last turn, in one call per MAX_BATCH; what the
+        pipe cannot write now goes the ordinary way, in order."""
+        outgoing, self._outgoing = self._outgoing, []
+        for at in range(0, len(outgoing), MAX_BATCH):
+            chunk = outgoing[at : at + MAX_BATCH]
+            futures = [future for _, future in chunk]
+            op = self._release_many([item for item, _ in chunk])
+            try:
+                call = next(op)  # the ledger's part: the leases are `releasing` from now
+            except BaseException as exc:
+                op.close()
+                _settle_all(futures, None, exc)
+                continue
+            pipe = self._pipe
+            handle = functools.partial(self._release_answered, op, call, futures)
+            if pipe is None or not pipe.write_then(call, handle):
+                self._later(self._release_ordinary(op, call, futures))
+
+    def _release_answered(
+        self, op: Op[list[bool]], call: Call, futures: list[asyncio.Future[bool]], reply: Any
+    ) -> None:
+        if isinstance(reply, BaseException):
+            # A broken connection, or an error reply: sent again the ordinary way (the
+            # release's operation ids make a second copy end nothing more).
+            self._later(self._release_ordinary(op, call, futures))
+            return
+        _released(op, reply, futures)
+
+    async def _release_ordinary(
+        self, op: Op[list[bool]], call: Call, futures: list[asyncio.Future[bool]]
+    ) -> None:
+        try:
+            if not _succeeded(self._setup):
+                await self._ensure_setup()
+            reply = await self._exec(call)
+        except Exception as exc:
+            op.close()
+            _settle_all(futures, None, exc)
+            return
+        _released(op, reply, futures)
+
+    def _later(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _post_done(self, result: bool) -> AsyncReleased:
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        future.set_result(result)
+        return AsyncReleased(future)
+
+    def _answered(self, future: asyncio.Future[bool]) -> None:
+        """A posted release was answered. One that failed (Redis unreachable) is left to the
+        keeper's reconciliation, which ends the lease once Redis is back; its error is
+        taken here so that asyncio does not report it as never retrieved."""
+        self._posted.discard(future)
+        if not future.cancelled() and future.exception() is not None:
+            log.debug("a release nobody awaited failed: %s", future.exception())
+
+    def _release_many(self, items: list[_ReleaseItem]) -> Op[list[bool]]:
+        """One release call for queued releases (health marks only when one failed)."""
         releases = [(sid, rid, token) for sid, rid, token, _ in items]
         failed = [bad for *_, bad in items] if any(bad for *_, bad in items) else None
-        return list(await self._run(self._core.release_many(releases, failed)))
+        return self._core.release_many(releases, failed)
+
+    async def _release_batch(self, items: list[_ReleaseItem]) -> list[bool | BaseException]:
+        return list(await self._run(self._release_many(items), True))
 
     # -- routing ---------------------------------------------------------------------------
 
@@ -579,22 +822,29 @@ class AsyncRedisLoadBalancer:
                     renewer.cancel()
                     await asyncio.wait({renewer})  # a cancel of this task still propagates
             finally:
-                await held.release()
+                held.release()  # answered in the background
 
-    async def release_server(
+    def release_server(
         self,
         server_id: str,
         request_id: str | None = None,
         *,
         failed: bool = False,
         **fields: Any,
-    ) -> bool:
+    ) -> AsyncReleased:
         """End the request's lease on that replica (without request_id: this process's own
-        lease there, else the replica's oldest);
+        lease there, else the replica's oldest), without waiting for Redis: the release is
+        queued at once, ahead of every later call of this balancer, and answered in the
+        background. ``await`` what this returns for the result (True if a lease ended); the
+        release goes out whether or not anyone awaits it, and close() waits for it.
         ``failed=True``: the request failed (see RedisLoadBalancer.release_server)."""
         sid = validation.server_id(server_id)
         rid = validation.request_id(request_id) if request_id is not None else None
-        return await self._release_one(sid, rid, None, validation.flag(failed, "failed"))
+        return self._post(sid, rid, None, validation.flag(failed, "failed"))
+
+    # A plain method whose result is awaited: helpers that run blocking methods in a thread
+    # (redis_router.client.call) must call it on the event loop.
+    release_server.returns_awaitable = True  # type: ignore[attr-defined]
 
     # -- the pool --------------------------------------------------------------------------
 
@@ -602,47 +852,55 @@ class AsyncRedisLoadBalancer:
         self, servers: Mapping[str, Any], *, capacity: Mapping[str, int] | None = None
     ) -> int:
         """See RedisLoadBalancer.add_servers."""
-        return await self._run(self._core.add_servers(servers, capacity))
+        return await self._call(self._core.add_servers(servers, capacity))
 
     async def remove_servers(self, server_ids: list[str]) -> int:
-        return await self._run(self._core.remove_servers(server_ids))
+        return await self._call(self._core.remove_servers(server_ids))
 
     async def drain_servers(self, server_ids: list[str]) -> int:
-        return await self._run(self._core.set_draining(server_ids, True))
+        return await self._call(self._core.set_draining(server_ids, True))
 
     async def undrain_servers(self, server_ids: list[str]) -> int:
-        return await self._run(self._core.set_draining(server_ids, False))
+        return await self._call(self._core.set_draining(server_ids, False))
 
     async def get_all_servers(self) -> list[str]:
-        return sorted(await self._run(self._core.counts()))
+        return sorted(await self._call(self._core.counts()))
 
     async def get_inflight_count(self, server_id: str) -> int:
-        sid = validation.server_id(server_id)
-        return (await self._run(self._core.counts((sid,)))).get(sid, 0)
+        """See RedisLoadBalancer.get_inflight_count."""
+        return await self._call(self._core.inflight(server_id))
 
     async def get_total_inflight(self) -> int:
-        return sum((await self._run(self._core.counts())).values())
+        return sum((await self._call(self._core.counts())).values())
+
+    async def report_engine_load(self, loads: Mapping[str, EngineLoad]) -> int:
+        """See RedisLoadBalancer.report_engine_load."""
+        return await self._call(self._core.report_engine(loads))
 
     async def get_status(self) -> dict[str, Any]:
-        return await self._run(self._core.status())
+        return await self._call(self._core.status())
 
     async def request_owner(self, request_id: str) -> str | None:
         """See RedisLoadBalancer.request_owner."""
-        return await self._run(self._core.request_owner(request_id))
+        return await self._call(self._core.request_owner(request_id))
 
     async def bump_weight_version(self, *, sticky: bool = False) -> dict[str, int]:
         """See RedisLoadBalancer.bump_weight_version."""
-        return await self._run(self._core.bump_weight_version(sticky))
+        return await self._call(self._core.bump_weight_version(sticky))
+
+    async def end_session(self, *request_ids: str) -> int:
+        """See RedisLoadBalancer.end_session."""
+        return await self._call(self._core.end_sessions(list(request_ids)))
 
     async def clear_sticky_cache(self) -> dict[str, Any]:
         """See RedisLoadBalancer.clear_sticky_cache."""
-        return await self._run(self._core.clear_sticky())
+        return await self._call(self._core.clear_sticky())
 
     async def reap(self) -> int:
-        return await self._run(self._core.reap())
+        return await self._call(self._core.reap())
 
     async def destroy(self) -> int:
-        return await self._run(self._core.destroy())
+        return await self._call(self._core.destroy())
 
     def require_acquire_fields(self) -> list[str]:
         return list(self._core.acquire_fields)
@@ -660,6 +918,8 @@ class AsyncRedisLoadBalancer:
         except RedisRouterError:  # a client passed in, whose loop closed: nothing can be sent
             self._keeper = None
             return
+        if self._posted:  # releases not yet answered go first (bounded)
+            await asyncio.wait(set(self._posted), timeout=KEEPER_STOP_TIMEOUT)
         stopping, self._keeper = self._keeper, None
         if stopping is not None:
             stopping.cancel()
@@ -670,6 +930,8 @@ class AsyncRedisLoadBalancer:
                 await self._run(self._core.retire())
             except (RedisRouterError, rx.RedisError) as exc:
                 keeper.report_close_failed(self._core, exc)
+        if self._pipe is not None:
+            await self._pipe.close()
         if self._owns_client:
             await self._client.aclose()
 
@@ -688,34 +950,45 @@ async def _listed(one: Awaitable[Grant]) -> list[Grant]:
     return [await one]
 
 
+def _with_tokens(items: list[_AcquireItem]) -> list[_Filled]:
+    """The items, each with its token: its earlier attempt's, or a new one."""
+    fresh = iter(new_tokens(len(items)))
+    return [(rid, token if token is not None else next(fresh), a) for rid, token, a in items]
+
+
 def _succeeded(setup: asyncio.Future[None] | None) -> bool:
     """The settings were pinned (a failed or cancelled setup is tried again on the next call)."""
     return setup is not None and setup.done() and not setup.cancelled() and not setup.exception()
 
 
-# Releases scheduled from callbacks; referenced here so they are not garbage-collected early.
-_pending_releases: set[asyncio.Future[bool]] = set()
+def _released(op: Op[list[bool]], reply: Any, futures: list[asyncio.Future[bool]]) -> None:
+    """Hand a release call its reply and each release its outcome."""
+    try:
+        op.send(reply)
+    except StopIteration as stop:
+        _settle_all(futures, stop.value, None)
+    except Exception as exc:
+        _settle_all(futures, None, exc)
+    finally:
+        op.close()
+
+
+def _settle_all(
+    futures: list[asyncio.Future[bool]], results: list[bool] | None, error: BaseException | None
+) -> None:
+    for k, future in enumerate(futures):
+        if future.done():
+            continue
+        if error is not None:
+            future.set_exception(error)
+        else:
+            assert results is not None
+            future.set_result(results[k])
 
 
 def _release_when_granted(task: asyncio.Future[AsyncLease]) -> None:
     if not task.cancelled() and task.exception() is None:
-        _release_in_background(task.result().release())
-
-
-def _release_in_background(release: Awaitable[bool]) -> None:
-    """Run a release nobody awaits, keeping a reference until it is done."""
-    pending = asyncio.ensure_future(release)
-    _pending_releases.add(pending)
-    pending.add_done_callback(_release_done)
-
-
-def _release_done(release: asyncio.Future[bool]) -> None:
-    """A background release ended. One that failed (Redis unreachable) is left to the
-    keeper's reconciliation, which ends the lease once Redis is back; its error is taken
-    here so that asyncio does not report it as never retrieved."""
-    _pending_releases.discard(release)
-    if not release.cancelled() and release.exception() is not None:
-        log.debug("a background release failed: %s", release.exception())
+        task.result().release()  # answered in the background
 
 
 async def _renew_age(lease: AsyncLease, stop: asyncio.Event, every: float) -> None:

@@ -17,6 +17,9 @@ from . import health, keeper, validation
 from .connection import (
     TRANSIENT_BACKOFF,
     client_for,
+    direct_pool,
+    final_failure,
+    resends,
     send_failure,
     sentinel_check_due,
     stale_pools,
@@ -35,9 +38,12 @@ from .core import (
     new_tokens,
     probation_wait,
 )
+from .engine import EngineLoad
 from .errors import NoCapacity, RedisRouterError, RedisUnavailable, ReplicaEjected
-from .invoke import Sender
+from .invoke import Sender, unsent
+from .outbox import Outbox, Released
 from .policy import LeastLoaded, RoutingPolicy
+from .scoring import EngineScoring
 
 
 class Lease:
@@ -61,22 +67,23 @@ class Lease:
         needs no renewal). False if the lease is already gone."""
         return not self._released and self._balancer._run(self._balancer._core.renew(self.token))
 
-    def release(self) -> bool:
-        """End the lease. True if this call ended it."""
+    def release(self) -> Released[bool]:
+        """End the lease, without waiting for Redis (see ``release_server``). Its result,
+        when asked for, is True if this call ended it."""
         if self._released:
-            return False
+            return Released.of(False)
         self._released = True
         b = self._balancer
-        return b._run(b._core.release(self.server_id, self.request_id, self.token))
+        return b._post(b._core.release(self.server_id, self.request_id, self.token))
 
-    def fail(self) -> bool:
+    def fail(self) -> Released[bool]:
         """End the lease and report that its request failed: ``eject_after`` failures in a
-        row eject the replica for every process. True if this call ended it."""
+        row eject the replica for every process. Its result: True if this call ended it."""
         if self._released:
-            return False
+            return Released.of(False)
         self._released = True
         b = self._balancer
-        return b._run(b._core.release(self.server_id, self.request_id, self.token, True))
+        return b._post(b._core.release(self.server_id, self.request_id, self.token, True))
 
     def __repr__(self) -> str:
         return f"Lease(server_id={self.server_id!r}, request_id={self.request_id!r})"
@@ -123,6 +130,8 @@ class RedisLoadBalancer:
         max_ejected: float = health.MAX_EJECTED,
         ejected_sticky: str = "move",
         wait_timeout: float = 0.0,
+        engine_scoring: EngineScoring | Mapping[str, Any] | bool | None = None,
+        spread_sessions: bool = False,
         **policy_options: Any,
     ) -> None:
         self._core, redis = build_core(
@@ -147,12 +156,19 @@ class RedisLoadBalancer:
             max_ejected=max_ejected,
             ejected_sticky=ejected_sticky,
             wait_timeout=wait_timeout,
+            engine_scoring=engine_scoring,
+            spread_sessions=spread_sessions,
         )
         checked = validation.servers_mapping(servers) if servers is not None else {}
         self._keeper: keeper.ThreadKeeper | None = None
         self._keeper_lock = threading.Lock()
         self._client, self.url, self._owns_client = client_for(redis, asyncio=False)
         self._scripts = Sender(self._client)  # FCALL or EVALSHA, probed on the first call
+        # Releases are written at once and answered later (redis_router.outbox); through a
+        # Cluster or Sentinel client they wait for their reply (connection.direct_pool).
+        pool = direct_pool(self._client)
+        self._outbox = Outbox(pool, self._command, self._exec_plain) if pool is not None else None
+        self._release_loaded = False  # loaded before the first release is written directly
         self._run(self._core.setup(checked))
         self._core.on_acquire = self._keep_alive
         keeper.track(self)
@@ -160,6 +176,27 @@ class RedisLoadBalancer:
     # -- driving the core ------------------------------------------------------------------
 
     def _exec(self, call: Call) -> Any:
+        """Send one script call; behind this balancer's releases still unanswered, on their
+        connection, so Redis runs them first and one round trip answers all."""
+        outbox = self._outbox
+        if outbox is not None and outbox.unanswered:
+            sent, reply = outbox.call(call)
+            if sent:
+                if isinstance(reply, rx.ResponseError):
+                    if not unsent(reply):  # the script's refusal, as the ordinary path says it
+                        raise self._failure(reply)
+                elif isinstance(reply, (rx.RedisError, OSError)):  # the connection broke
+                    if not resends(self._client):  # a client made without retries
+                        raise self._failure(rx.ConnectionError(str(reply)))
+                else:
+                    return reply
+        return self._exec_plain(call)
+
+    def _failure(self, exc: Exception) -> Exception:
+        """What a failed call raises (as the ordinary path raises it)."""
+        return final_failure(exc, self.url, self._core.script_error)
+
+    def _exec_plain(self, call: Call) -> Any:
         """Send one script call. A dropped connection is retried by redis-py with the same
         arguments (an acquire's lease token makes the resend idempotent); a reply that proves
         nothing was written (READONLY after a failover, LOADING) is resent after a pause."""
@@ -183,6 +220,18 @@ class RedisLoadBalancer:
     def _send(self, call: Call) -> Any:
         return self._scripts.send(call.script, self._core.prefix, call.args)
 
+    def _command(self, call: Call) -> tuple[Any, ...] | None:
+        return self._scripts.command(call.script, self._core.prefix, call.args)
+
+    def _post(self, op: Op[bool]) -> Released[bool]:
+        """Run a release without waiting for its reply (written at once, read later)."""
+        if self._outbox is None:
+            return Released.of(self._run(op))
+        if not self._release_loaded and self._scripts.functions is not None:
+            self._release_loaded = True
+            self._scripts.preload(self._core.release_script)
+        return self._outbox.post(op)
+
     def _keep_alive(self) -> None:
         """Start the heartbeats (first acquire): from now on this process holds leases."""
         if self._keeper is not None:
@@ -198,6 +247,8 @@ class RedisLoadBalancer:
         """In a forked child: a holder of its own; the parent's keeper thread is not here."""
         self._core.new_holder()
         self._keeper = None
+        if self._outbox is not None:
+            self._outbox.forked()
         self._keeper_lock = threading.Lock()
 
     def _acquire(
@@ -393,15 +444,20 @@ class RedisLoadBalancer:
         *,
         failed: bool = False,
         **fields: Any,
-    ) -> bool:
+    ) -> Released[bool]:
         """End the request's lease on that replica (without request_id: this process's own
         lease there, else the replica's oldest).
-        Releasing twice, or for an unknown or removed replica, is a no-op that returns False;
-        a copy resent after a timeout reports the first one's result and ends nothing else.
+
+        It does not wait for Redis: the release is written at once, ahead of every later
+        call of this balancer, and its reply read later (by the next call, or within a few
+        milliseconds from the background). The result, ``.result()`` (or ``bool()`` of what
+        this returns), waits for the reply: True if a lease ended. Releasing twice, or for an
+        unknown or removed replica, is a no-op whose result is False; a copy resent after a
+        timeout reports the first one's result and ends nothing else.
         ``failed=True``: the request failed (passive health, see ``Lease.fail``)."""
         sid = validation.server_id(server_id)
         rid = validation.request_id(request_id) if request_id is not None else None
-        return self._run(self._core.release(sid, rid, None, validation.flag(failed, "failed")))
+        return self._post(self._core.release(sid, rid, None, validation.flag(failed, "failed")))
 
     # -- the pool --------------------------------------------------------------------------
 
@@ -429,11 +485,20 @@ class RedisLoadBalancer:
         return sorted(self._run(self._core.counts()))
 
     def get_inflight_count(self, server_id: str) -> int:
-        sid = validation.server_id(server_id)
-        return self._run(self._core.counts((sid,))).get(sid, 0)
+        """Requests in flight on the replica (a data-parallel replica's id: on all its
+        ranks); 0 for an id not in the pool."""
+        return self._run(self._core.inflight(server_id))
 
     def get_total_inflight(self) -> int:
         return sum(self._run(self._core.counts()).values())
+
+    def report_engine_load(self, loads: Mapping[str, EngineLoad]) -> int:
+        """Store what the engines report of their own load ({server id: EngineLoad}: running
+        and waiting requests, KV-cache usage), stamped with Redis's clock, in one script for
+        every worker to read; ids not in the pool are skipped. Every entry is checked before
+        anything is written. Returns how many reports were stored. ``redis-router load``
+        calls this from the replicas' metrics endpoints (docs/engine-load.md)."""
+        return self._run(self._core.report_engine(loads))
 
     def get_status(self) -> dict[str, Any]:
         """A consistent snapshot; ``sticky_sessions`` counts sessions whose entry has not yet
@@ -444,6 +509,14 @@ class RedisLoadBalancer:
         """The replica serving ``request_id`` now (it holds a live lease of it), or None:
         where to send a targeted abort. A few lookups, no scan."""
         return self._run(self._core.request_owner(request_id))
+
+    def end_session(self, *request_ids: str) -> int:
+        """The sessions are over: forget their sticky entries now rather than sticky_ttl after
+        their last turn, so new sessions see their replicas free (a session thinking between
+        turns counts as pinned to its replica, which new sessions avoid among the least
+        loaded). Leases are untouched; a later turn of the id is a new session. Returns how
+        many had a live entry."""
+        return self._run(self._core.end_sessions(list(request_ids)))
 
     def bump_weight_version(self, *, sticky: bool = False) -> dict[str, int]:
         """After a weight update: drop every cache-locality record (the prefix index, group
@@ -477,7 +550,9 @@ class RedisLoadBalancer:
     def close(self) -> None:
         """Stop the heartbeats and end this balancer's unreleased leases at once
         (nothing can keep them alive any more); close the connection pool if this balancer
-        made it (a client you passed stays open)."""
+        made it (a client you passed stays open). Releases not yet answered are read first."""
+        if self._outbox is not None:
+            self._outbox.close()
         stopping, self._keeper = self._keeper, None
         if stopping is not None:
             stopping.stop()

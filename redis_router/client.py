@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from .errors import RouterConfigError
+from .outbox import Released
 from .protocol import CLIENT_METHODS, missing_methods
 
 Fields = tuple[tuple[str, ...], tuple[str, ...]]
@@ -152,15 +153,24 @@ class RouterClient:
 
 
 async def call(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call a balancer method from asyncio: await a coroutine method, run a blocking one in a
-    worker thread. An awaitable result (a sync wrapper around an async router) is awaited."""
-    if inspect.iscoroutinefunction(method):
+    """Call a balancer method from asyncio: await a coroutine method (or one marked
+    ``returns_awaitable``, such as AsyncRedisLoadBalancer.release_server, which must run on
+    the event loop), run a blocking one in a worker thread. An awaitable result (a sync
+    wrapper around an async router) is awaited."""
+    if inspect.iscoroutinefunction(method) or getattr(method, "returns_awaitable", False):
         result = await method(*args, **kwargs)
     else:
-        result = await asyncio.to_thread(method, *args, **kwargs)
+        result = await asyncio.to_thread(_settled, method, *args, **kwargs)
     if inspect.isawaitable(result):
         result = await result
     return result
+
+
+def _settled(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A blocking method's result, in the worker thread; a sync release's outcome is read
+    there too, never on the event loop."""
+    result = method(*args, **kwargs)
+    return result.result() if isinstance(result, Released) else result
 
 
 def _names(value: Any, which: str) -> tuple[str, ...]:

@@ -199,6 +199,15 @@ def send_failure(
     return None
 
 
+def final_failure(
+    exc: Exception, url: str, script_error: Callable[[Exception], Exception]
+) -> Exception:
+    """What a failed call raises when it is not sent again (send_failure with no pause left)."""
+    error = send_failure(exc, url, script_error, True)
+    assert error is not None  # final: never "send again"
+    return error
+
+
 def out_of_memory(exc: Exception) -> bool:
     """True for Redis's refusal of a write over ``maxmemory`` (``OOM ...``; inside a script,
     Redis 6.2 wraps it in ``ERR Error running script ... -OOM ...``)."""
@@ -238,6 +247,31 @@ def stale_pools(client: Any) -> list[Any]:
     Sentinel for the master again (a Cluster client follows its topology by itself)."""
     pool = getattr(client, "connection_pool", None)
     return [pool] if pool is not None and callable(getattr(pool, "disconnect", None)) else []
+
+
+def direct_pool(client: Any) -> Any | None:
+    """The pool a balancer may take a connection of its own from, to write script calls
+    there directly (redis_router.outbox, redis_router.direct): a plain client's. None for a
+    Cluster client (it has no single pool) and a Sentinel-managed one (its master is checked
+    before calls, which a held connection would skip)."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is None or hasattr(pool, "get_master_address"):
+        return None
+    return pool
+
+
+def resends(client: Any) -> bool:
+    """Whether the client resends a command after a dropped connection (its Retry allows
+    one): a call the balancer wrote on a connection of its own, which broke, is sent again
+    the ordinary way only then, so a client made without retries sees the failure, as it
+    would have."""
+    get_retry = getattr(client, "get_retry", None)
+    retry = get_retry() if callable(get_retry) else None
+    if retry is None:
+        return False
+    get_retries = getattr(retry, "get_retries", None)
+    retries = get_retries() if callable(get_retries) else getattr(retry, "_retries", 1)
+    return bool(retries)
 
 
 def sentinel_check_due(client: Any) -> Any | None:

@@ -7,16 +7,20 @@ balancer drives it with blocking calls, the asyncio one with awaits; nothing els
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
-from . import health, validation
+from . import dp, engine, health, validation
 from .errors import ConfigMismatch, NoCapacity, NoServersAvailable, ReplicaEjected
 from .policy import RoutingPolicy, make_policy
+from .scoring import EngineScoring
+from .scoring import engine_scoring as engine_scoring_option
 from .scripts import Script, load
 
 T = TypeVar("T")
@@ -116,6 +120,14 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "max_ejected": health.MAX_EJECTED,
     "ejected_sticky": "move",
     "wait_timeout": 0.0,
+    "engine_scoring": None,
+    "spread_sessions": False,
+}
+# The option behind a pinned field, where their names differ.
+_OPTION_OF = {
+    "sticky_ttl_ms": "sticky_ttl",
+    "engine": "engine_scoring",
+    "spread": "spread_sessions",
 }
 # The acquire field naming a request's group (GRPO: the samples of one prompt).
 GROUP_FIELD = "group_id"
@@ -132,6 +144,9 @@ PINNED_SETTINGS = (
     "group_cap",
     "group_by",
     "ejection",
+    "engine",
+    "sticky_min_cached",
+    "spread",
 )
 
 
@@ -181,9 +196,40 @@ def fields_per_request(n: int, fields: Mapping[str, Any]) -> list[Mapping[str, A
     return [{k: v[j] for k, v in given.items()} for j in range(n)]
 
 
+class _Entropy:
+    """os.urandom read 4 KiB at a time: a token costs a slice of a buffer, not a system call
+    (~4 us here), on the path of every acquire and release. A forked child drops what it
+    inherited, so no two processes ever hand out the same bytes."""
+
+    SIZE = 4096
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buf = ""
+        self._at = 0
+
+    def hex(self, n: int) -> str:
+        """16 * n hex digits never handed out before."""
+        need = 16 * n
+        with self._lock:
+            if self._at + need > len(self._buf):
+                self._buf, self._at = os.urandom(max(self.SIZE, 8 * n)).hex(), 0
+            at = self._at
+            self._at = at + need
+            return self._buf[at : at + need]
+
+    def forget(self) -> None:
+        self._lock = threading.Lock()
+        self._buf, self._at = "", 0
+
+
+_entropy = _Entropy()
+os.register_at_fork(after_in_child=_entropy.forget)
+
+
 def new_token() -> str:
     """A lease token: unique across processes (never from the tie-break RNG, which tests seed)."""
-    return os.urandom(8).hex()
+    return _entropy.hex(1)
 
 
 def new_holder() -> str:
@@ -197,8 +243,8 @@ def new_operations(n: int) -> list[str]:
 
 
 def new_tokens(n: int) -> list[str]:
-    """n lease tokens from one urandom read (a batch pays one system call, not n)."""
-    h = os.urandom(8 * n).hex()
+    """n lease tokens."""
+    h = _entropy.hex(n)
     return [h[i : i + 16] for i in range(0, 16 * n, 16)]
 
 
@@ -284,6 +330,8 @@ class BalancerCore:
         max_ejected: float = health.MAX_EJECTED,
         ejected_sticky: str = "move",
         wait_timeout: float = 0.0,
+        engine_scoring: EngineScoring | Mapping[str, Any] | bool | None = None,
+        spread_sessions: bool = False,
     ) -> None:
         self.name = validation.name(name)
         self.prefix = f"rr:{{{self.name}}}:"
@@ -320,6 +368,10 @@ class BalancerCore:
             str(self.group_cap) if on and self.group_cap is not None else "",
             self.group_by if on and self.group_by is not None else "",
         )
+        # New sessions' ties go to the replica with the fewest pinned sessions (lib/picking.lua),
+        # pinned ("1" = on, "" = off); off under full_determinism as well.
+        self.spread_sessions = validation.flag(spread_sessions, "spread_sessions")
+        self.spread = "1" if on and self.spread_sessions else ""
         # Passive health, pinned for every process ("" = off): lib/health.lua.
         self.ejection = health.ejection_setting(
             eject_after, eject_for, eject_max, max_ejected, ejected_sticky
@@ -327,6 +379,14 @@ class BalancerCore:
         self.ejected_sticky = ejected_sticky
         self.eject_after, self.eject_for = eject_after, float(eject_for)
         self.eject_max, self.max_ejected = float(eject_max), float(max_ejected)
+        # Least loaded on the engines' reports as well as the leases (redis_router.scoring),
+        # pinned for every process ("" = off).
+        self.engine_scoring = engine_scoring_option(engine_scoring)
+        self.engine = self.engine_scoring.setting if self.engine_scoring else ""
+        # Eviction-aware stickiness: the policy's option (a policy reading a KV index), pinned
+        # for every process ("" = off; off under full_determinism, as the affinity options).
+        share = policy.sticky_min_cached
+        self.min_cached = repr(float(share)) if on and share is not None else ""
         # How long an acquire waits for a full pool by default (0: NoCapacity at once).
         self.wait_timeout = health.wait_seconds(wait_timeout, "wait_timeout")
         self.lease_ms = round(self.lease_ttl * 1000)
@@ -375,6 +435,8 @@ class BalancerCore:
             *self.routing,
             self.ejection,
             "",  # waiting ticket: none
+            self.engine,
+            self.spread,
         )
 
     # -- replies ---------------------------------------------------------------------------
@@ -430,13 +492,27 @@ class BalancerCore:
 
     def settings(self) -> dict[str, str]:
         """The values this process pins in P.."config" ("" = off), by field."""
-        values = (str(self.sticky_ms), *self.routing, self.ejection)
+        values = (
+            str(self.sticky_ms),
+            *self.routing,
+            self.ejection,
+            self.engine,
+            self.min_cached,
+            self.spread,
+        )
         return dict(zip(PINNED_SETTINGS, values, strict=True))
 
     def config_mismatch(self, field: str, pinned: str) -> ConfigMismatch:
         mine = self.settings().get(field, "")
         if field == "ejection":
             what, theirs = health.describe(mine), health.describe(pinned)
+        elif field == "engine":
+            what = f"engine_scoring={EngineScoring.parse(mine)}"
+            theirs = f"{EngineScoring.parse(pinned)}"
+        elif field == "spread":
+            what, theirs = f"spread_sessions={mine == '1'}", f"spread_sessions={pinned == '1'}"
+            if self.full_determinism:
+                what += " (full_determinism turns it off)"
         elif field == "sticky_ttl_ms":
             what = f"sticky_ttl={self.sticky_ttl:g}s"
             theirs = f"{int(pinned) / 1000:g}s" if pinned.isdigit() else repr(pinned)
@@ -448,7 +524,7 @@ class BalancerCore:
         return ConfigMismatch(
             f"balancer {self.name!r}: {what}, but the balancer's processes already use "
             f"{theirs} (pinned in Redis key {self.prefix}config by the first process that "
-            f"acquired). Use the same {field.removesuffix('_ms')} in every process, or "
+            f"acquired). Use the same {_OPTION_OF.get(field, field)} in every process, or "
             "destroy() the balancer to start over."
         )
 
@@ -461,6 +537,11 @@ class BalancerCore:
                 raise self.config_mismatch(field, _str(value))
         if servers:
             yield from self.add_servers(servers)
+
+    @property
+    def release_script(self) -> Script:
+        """The script every release runs."""
+        return self._release
 
     def acquire(
         self,
@@ -477,7 +558,9 @@ class BalancerCore:
         this call serves (see :meth:`enqueue`)."""
         self.on_acquire()
         script, rand, policy = self._acquire, self._getrandbits, self.policy
-        head = self._acquire_head if ticket is None else (*self._acquire_head[:-1], ticket)
+        head = self._acquire_head
+        if ticket is not None:
+            head = (*head[:-3], ticket, *head[-2:])
         n = len(request_ids)
         if fields is not None and len(fields) != n:
             raise ValueError(f"got {len(fields)} field sets for {n} request ids; give one each")
@@ -688,6 +771,9 @@ class BalancerCore:
                 REAP_CHUNK,
                 *self.routing,
                 self.ejection,
+                self.engine,
+                self.min_cached,
+                self.spread,
             ),
         )
         if int(examined) >= REAP_CHUNK:
@@ -730,6 +816,14 @@ class BalancerCore:
         raw = yield Call(load("report"), tuple(flat))
         return {_str(raw[i]): _str(raw[i + 1]) for i in range(0, len(raw), 2)}
 
+    def report_engine(self, loads: Mapping[str, engine.EngineLoad]) -> Op[int]:
+        """Store what the engines report of their own load ({server id: EngineLoad}), stamped
+        with Redis's clock; ids not in the pool are skipped. Returns how many were stored."""
+        flat = engine.report_args(loads, validation.server_id)
+        if not flat:
+            return 0
+        return int((yield Call(load("engine_report"), tuple(flat))))
+
     def retire(self) -> Op[int]:
         """End this holder's leases now and let it leave (a closed balancer can no longer keep
         them alive), RETIRE_CHUNK per call; a call that never comes back leaves the holder
@@ -747,22 +841,39 @@ class BalancerCore:
         self, servers: Mapping[str, Any], capacity: Mapping[str, int] | None = None
     ) -> Op[int]:
         """Register replicas; a replica's capacity comes from ``capacity`` or its metadata's
-        ``"capacity"`` key (none: no limit, and a capacity declared before is lifted)."""
+        ``"capacity"`` key (none: no limit, and a capacity declared before is lifted). A
+        replica whose metadata has ``"dp_size"`` is registered as its ranks (redis_router.dp),
+        and then the members an earlier registration of the same ids left (ranks beyond the
+        new size, or the replica itself before it had ranks) are removed."""
         checked = validation.servers_mapping(servers)
-        caps = health.capacities(checked, capacity)
-        if not checked:
+        units, capacity, sizes = dp.expand(checked, capacity)
+        caps = health.capacities(units, capacity)
+        if not units:
             return 0
         args = [
             x
-            for sid, value in checked.items()
+            for sid, value in units.items()
             for x in (sid, _meta_json(value), str(caps.get(sid, "")))
         ]
         added = yield Call(load("add_servers"), tuple(args))
-        self.handles.update(checked)
+        self.handles.update(units)
+        pool = yield from self.counts()
+        replaced = dp.stale(sizes, [s for s in checked if s not in sizes], pool)
+        if replaced:
+            yield Call(load("remove_servers"), tuple(replaced))
+            for sid in replaced:
+                self.handles.pop(sid, None)
         return int(added)
 
-    def remove_servers(self, server_ids: Any) -> Op[int]:
+    def members(self, server_ids: Any) -> Op[list[str]]:
+        """The pool members admin ids name: a data-parallel replica's id names its ranks."""
         ids = validation.server_ids(server_ids)
+        if not ids or all(dp.replica_of(sid)[1] is not None for sid in ids):
+            return ids
+        return dp.members(ids, (yield from self.counts()))
+
+    def remove_servers(self, server_ids: Any) -> Op[int]:
+        ids = yield from self.members(server_ids)
         if not ids:
             return 0
         removed = yield Call(load("remove_servers"), tuple(ids))
@@ -771,7 +882,7 @@ class BalancerCore:
         return int(removed)
 
     def set_draining(self, server_ids: Any, draining: bool) -> Op[int]:
-        ids = validation.server_ids(server_ids)
+        ids = yield from self.members(server_ids)
         if not ids:
             return 0
         return int((yield Call(load("drain" if draining else "undrain"), tuple(ids))))
@@ -800,6 +911,15 @@ class BalancerCore:
         rid = validation.request_id(request_id)
         owner = yield Call(load("owner"), (rid, self.width_ms, self.span))
         return None if owner is None else _str(owner)
+
+    def end_sessions(self, request_ids: list[str]) -> Op[int]:
+        """Forget sessions that will not come back: their sticky entries, and their places in
+        the replicas' pinned-session counts. Returns how many had a live entry."""
+        rids = validation.request_ids(request_ids)
+        if not rids:
+            return 0
+        n = yield Call(load("end_session"), (self.width_ms, self.sticky_ms, self.span, *rids))
+        return int(n)
 
     def bump_weight_version(self, sticky: bool = False) -> Op[dict[str, int]]:
         """New weights make every replica's KV cache stale: drop every record of what the
@@ -843,6 +963,16 @@ class BalancerCore:
         self.latest.clear()
         return int(n)
 
+    def inflight(self, server_id: Any) -> Op[int]:
+        """In flight on one pool member, or on all the ranks of a data-parallel replica named
+        by its id (0 when the id names nothing)."""
+        sid = validation.server_id(server_id)
+        got = yield from self.counts((sid,))
+        if sid in got or dp.replica_of(sid)[1] is not None:
+            return got.get(sid, 0)
+        every = yield from self.counts()
+        return sum(n for u, n in every.items() if dp.replica_of(u)[0] == sid)
+
     def counts(self, server_ids: tuple[str, ...] = ()) -> Op[dict[str, int]]:
         raw = yield Call(load("counts"), server_ids)
         return {_str(raw[i]): int(float(raw[i + 1])) for i in range(0, len(raw), 2)}
@@ -867,8 +997,11 @@ class BalancerCore:
                 "reclaimed": int(reclaimed),
                 "repins": int(repins),
                 "metadata": json.loads(_str(meta)) if meta is not None else None,
-                **health.replica_status(row[10:], int(now), int(inflight)),
+                **health.replica_status(row[10:16], int(now), int(inflight)),
             }
+            report = engine.from_stored(row[16], int(now))
+            if report is not None:
+                replicas[sid]["engine"] = report
         return {
             "name": self.name,
             "servers": {sid: r["inflight"] for sid, r in replicas.items()},
@@ -886,6 +1019,11 @@ class BalancerCore:
             "affinity_ratio": self.affinity_ratio,
             "group_cap": self.group_cap,
             "group_by": self.group_by,
+            "spread_sessions": bool(self.spread),
+            "engine_scoring": (
+                dataclasses.asdict(self.engine_scoring) if self.engine_scoring else None
+            ),
+            "sticky_min_cached": float(self.min_cached) if self.min_cached else None,
             "holders": dict(
                 zip(
                     ("live", "dead", "awaiting_reclaim", "on_probation", "probation_ms"),
@@ -904,6 +1042,7 @@ class BalancerCore:
             "full_servers": sorted(s for s, r in replicas.items() if r["full"]),
             "waiting": health.waiting_status(waiting),
             "replicas": replicas,
+            "dp_replicas": dp.grouped(replicas),
         }
 
 

@@ -16,12 +16,14 @@ Functions still gets EVALSHA) or ``eval`` (EVALSHA only).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Generator
 from typing import Any, Literal
 
 from redis import exceptions as rx
 
+from .connection import transient
 from .scripts import Script
 
 ENV = "REDIS_ROUTER_SCRIPTS"
@@ -58,6 +60,13 @@ def configured_mode() -> Mode:
     raise ValueError(f"{ENV}={value!r}: expected auto, function or eval")
 
 
+def unsent(exc: Exception) -> bool:
+    """True for an error reply proving the call did not run, which a send the ordinary way
+    (:class:`Sender`, the balancers' retries) may get through: the script or function is
+    missing, or the server is in a transient state (READONLY after a failover, LOADING)."""
+    return isinstance(exc, rx.NoScriptError) or _missing_function(exc) or transient(exc)
+
+
 def _missing_function(exc: Exception) -> bool:
     return "function not found" in str(exc).lower()
 
@@ -92,6 +101,14 @@ class Sender:
         return "probe" if self.functions is None else "fcall" if self.functions else "evalsha"
 
     # -- the commands ----------------------------------------------------------------------
+
+    def command(self, script: Script, prefix: str, args: tuple[Any, ...]) -> Command | None:
+        """The command a call is written as by a caller that sends it and reads its reply
+        itself (redis_router.outbox); None before the first call has probed the server, and
+        on a Cluster (the call goes to its slot's node the ordinary way)."""
+        if self.functions is None or self._cluster:
+            return None
+        return self._first(script, prefix, args)
 
     def _first(self, script: Script, prefix: str, args: tuple[Any, ...]) -> Command:
         if self.functions is False:
@@ -136,6 +153,30 @@ class Sender:
                 self.functions = True
             return result
         raise error  # the last attempt (EVAL) failed too: the script's own error
+
+    def _load_command(self, script: Script) -> Command | None:
+        if self.functions is None or self._cluster:
+            return None
+        if self.functions:
+            return ("FUNCTION LOAD", script.library())
+        return ("SCRIPT LOAD", script.source)
+
+    def preload(self, script: Script) -> None:
+        """Load a script before calls of it are written directly (redis_router.outbox): a
+        first call that met NOSCRIPT would go again the ordinary way, behind calls made after
+        it. Best effort: what fails here, the call's own recovery does."""
+        command = self._load_command(script)
+        if command is not None:
+            # Already there ("already exists"), or not allowed: the call recovers.
+            with contextlib.suppress(rx.RedisError):
+                self.client.execute_command(*command)
+
+    async def preload_async(self, script: Script) -> None:
+        """:meth:`preload` with an asyncio client."""
+        command = self._load_command(script)
+        if command is not None:
+            with contextlib.suppress(rx.RedisError):
+                await self.client.execute_command(*command)
 
     # -- sync and asyncio drivers ----------------------------------------------------------
 

@@ -46,6 +46,12 @@ class RoutingPolicy:
     # Keys (suffixes after the balancer's prefix) that record what the replicas' KV caches
     # hold: bump_weight_version() drops them, with the core's own (docs/rl.md).
     locality_keys: ClassVar[tuple[str, ...]] = ()
+    # Eviction-aware stickiness, for a policy that reads an index of what each replica's KV
+    # cache holds: a sticky turn stays on its replica while the index says it holds at least
+    # this share of the prompt, else the policy places it anew (its script's ``evicted``
+    # procedure, lib/acquiring.lua). None: off, a session stays where it is pinned. Pinned in
+    # Redis like the balancer's own settings.
+    sticky_min_cached: float | None = None
 
     @property
     def script(self) -> Script:

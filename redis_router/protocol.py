@@ -12,7 +12,7 @@ An asyncio implementation (:class:`~redis_router.AsyncRedisLoadBalancer`) satisf
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 METHODS = (
@@ -87,9 +87,9 @@ class AsyncRequestLoadBalancer(Protocol):
 
     async def acquire_server(self, request_id: str, **fields: Any) -> tuple[str, Any]: ...
 
-    async def release_server(
+    def release_server(
         self, server_id: str, request_id: str | None = None, **fields: Any
-    ) -> Any: ...
+    ) -> Awaitable[Any]: ...
 
     async def add_servers(self, servers: Mapping[str, Any]) -> Any: ...
 

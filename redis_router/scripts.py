@@ -37,10 +37,12 @@ NAMES = (
     "owned",
     "forget",
     "owner",
+    "end_session",
     "bump",
     "enqueue",
     "leave",
     "report",
+    "engine_report",
 )
 
 
@@ -105,6 +107,9 @@ def load(name: str) -> Script:
 
 
 _USES = re.compile(r"^-- Uses +(.+)$", re.MULTILINE)
+# part -> the part it goes before wherever that one is used: least loaded is engine-aware when
+# pinned so, in every policy's script, including plugins written before the part existed.
+_IMPLIED = {"lib/scoring": "lib/picking"}
 
 
 @cache
@@ -123,7 +128,11 @@ def from_source(name: str, text: str, here: Path | None = None) -> Script:
     if uses is None:
         raise ValueError(f"script {name!r} has no '-- Uses' header line naming its parts")
     parts = []
-    for ref in (r.strip() for r in uses.group(1).split(",")):
+    refs = [r.strip() for r in uses.group(1).split(",")]
+    for needed, before in _IMPLIED.items():  # parts a named part cannot do without
+        if before in refs and needed not in refs:
+            refs.insert(refs.index(before), needed)
+    for ref in refs:
         folder = lua_dir() if ref.startswith("lib/") else here
         part = folder / f"{ref}.lua" if folder is not None else None
         if part is None or not part.is_file():

@@ -16,6 +16,8 @@ import redis
 from redis_router import RedisLoadBalancer
 from redis_router.local_server import LocalServer, ServerBinary, find_server_binaries
 
+from .invariants import settled
+
 BINARIES = find_server_binaries()
 _names = itertools.count()
 
@@ -56,8 +58,9 @@ def server(binary: ServerBinary, _servers: dict[str, LocalServer]) -> LocalServe
 
 @pytest.fixture
 def r(server: LocalServer) -> Iterator[redis.Redis]:
-    """A raw client on the test's server, to look at keys the way redis-cli would."""
-    c = server.client(decode_responses=True)
+    """A raw client on the test's server, to look at keys the way redis-cli would, after the
+    releases this process has written to that server are answered (invariants.settled)."""
+    c = settled(server.client(decode_responses=True))
     yield c
     c.close()
 

@@ -40,6 +40,7 @@ from redis.retry import Retry
 from redis_router import AsyncRedisLoadBalancer, NoCapacity, NoServersAvailable, RedisLoadBalancer
 from redis_router.core import RESEND_WINDOW_MS, Call, new_token
 from redis_router.local_server import LocalServer, first_server_binary
+from redis_router.outbox import Released
 from redis_router.plugins.least_tokens import AsyncLeastTokensRouter, LeastTokensRouter
 from redis_router.plugins.prefix_cache import (
     AsyncPrefixCacheRouter,
@@ -175,7 +176,9 @@ class Process:
         return self.lb._run(op)
 
     def call(self, method: str, *args: Any) -> Any:
-        return getattr(self.lb, method)(*args)
+        result = getattr(self.lb, method)(*args)
+        # A release's outcome is read when asked for: the model checks it, and the keys.
+        return result.result() if isinstance(result, Released) else result
 
     def beating(self) -> bool:
         return self.lb._keeper is not None
@@ -203,7 +206,7 @@ class AsyncProcess(Process):
         return self.loop.run(self.lb._run(op))
 
     def call(self, method: str, *args: Any) -> Any:
-        return self.loop.run(getattr(self.lb, method)(*args))
+        return self.loop.run(_awaited(getattr(self.lb, method), *args))
 
     def beating(self) -> bool:
         return self.lb._keeper is not None and not self.lb._keeper.done()
@@ -251,7 +254,7 @@ class Listener:
         c = lb._core
         self._lb, self.holder = lb, c.holder
         self._args = (c.holder, c.lease_ms, c.sticky_ms, c.max_age_ms, RESEND_WINDOW_MS, 0,
-                      *c.routing, c.ejection)  # fmt: skip
+                      *c.routing, c.ejection, c.engine, c.min_cached, c.spread)  # fmt: skip
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -348,6 +351,9 @@ class BalancerMachine(RuleBasedStateMachine):
             "eject_for": 3600.0,
             "eject_max": 3600.0,
             "max_ejected": MAX_EJECTED,
+            # The plugins' machines keep pinned-session counts (I13) through every fault; the
+            # core's runs the default path.
+            "spread_sessions": self.router != "core",
         }
         if self.router == "least_tokens":
             return (AsyncLeastTokensRouter if asyncio else LeastTokensRouter)(**kw)
@@ -974,3 +980,9 @@ class BalancerMachine(RuleBasedStateMachine):
             for h, v in self.r.hgetall(self.p + "pc:idx").items():
                 index[h] = set(v.split("\x1f")[0:-1:2])
             assert index == self.model.index
+
+
+async def _awaited(method: Any, *args: Any) -> Any:
+    """Call a method on the event loop and await what it returns (a coroutine, or a
+    release's awaitable)."""
+    return await method(*args)

@@ -6,6 +6,9 @@ from typing import Any
 
 import redis
 
+from redis_router import outbox
+from redis_router.core import STICKY_BUCKETS
+
 SEP = "\x1f"
 
 
@@ -31,10 +34,21 @@ local owned = {}
 for _, key in ipairs(redis.call('KEYS', P .. 'owned:*')) do
   owned[#owned + 1] = {key, redis.call('ZRANGE', key, 0, -1)}
 end
+local sticky = {}
+for _, key in ipairs(redis.call('KEYS', P .. 'sticky*:*')) do
+  sticky[#sticky + 1] = {key, redis.call('HGETALL', key)}
+end
 return {pool, held, redis.call('HKEYS', P .. 'servers'), redis.call('HGETALL', P .. 'leases'),
         redis.call('HGETALL', P .. 'byreq'), redis.call('KEYS', P .. 'held:*'), holders, owned,
         redis.call('ZRANGE', P .. 'weighted', 0, -1, 'WITHSCORES'),
-        redis.call('HGETALL', P .. 'capacity'), redis.call('ZRANGE', P .. 'ejected', 0, -1)}
+        redis.call('HGETALL', P .. 'capacity'), redis.call('ZRANGE', P .. 'ejected', 0, -1),
+        redis.call('ZRANGE', P .. 'escore', 0, -1, 'WITHSCORES'),
+        redis.call('HGETALL', P .. 'eextra'),
+        redis.call('EXISTS', P .. 'escore'),
+        redis.call('ZRANGE', P .. 'wscore', 0, -1, 'WITHSCORES'),
+        redis.call('HGETALL', P .. 'wextra'), redis.call('EXISTS', P .. 'wscore'),
+        sticky, redis.call('HGETALL', P .. 'pinned'), redis.call('TIME'),
+        redis.call('HGET', P .. 'config', 'sticky_ttl_ms') or ''}
 """
 
 
@@ -94,7 +108,68 @@ def check(r: redis.Redis, name: str) -> dict[str, int]:
             assert SEP.join(leases.get(t, "").split(SEP)[:2]) == field, f"byreq {field!r}: {t}"
     for key in held_keys:
         assert key[len(p) + 5 :] in counts, f"leftover {key!r} of a removed replica"
+    # I12: while engine-aware scores exist, each replica's is its count plus its extra.
+    extra = {sid: float(e) for sid, e in _pairs(snap[12]).items()}
+    assert set(extra) <= set(counts), "engine extra of a replica not in the pool"
+    if snap[13]:
+        scores = {sid: float(s) for sid, s in _pairs(snap[11]).items()}
+        assert set(scores) == set(counts), "engine scores disagree with the pool (I12)"
+        for sid, n in counts.items():
+            assert abs(scores[sid] - n - extra.get(sid, 0.0)) < 1e-6, (
+                f"{sid!r}: engine score {scores[sid]}, count {n}, extra {extra.get(sid)} (I12)"
+            )
+    # ... and least_tokens' engine-aware scores are its tokens in flight plus its extra.
+    wextra = {sid: float(e) for sid, e in _pairs(snap[15]).items()}
+    assert set(wextra) <= set(counts), "engine extra (tokens) of a replica not in the pool"
+    if snap[16]:
+        wscores = {sid: float(s) for sid, s in _pairs(snap[14]).items()}
+        assert set(wscores) == set(counts), "least_tokens' engine scores disagree with the pool"
+        for sid in counts:
+            tokens = weighted.get(sid, 0)
+            assert abs(wscores[sid] - tokens - wextra.get(sid, 0.0)) < 1e-6, (
+                f"{sid!r}: tokens score {wscores[sid]}, tokens {tokens}, extra "
+                f"{wextra.get(sid)} (I12)"
+            )
+    _pinned(p, snap[17], _pairs(snap[18]), snap[19], snap[20])
     return counts
+
+
+def _pinned(p: str, buckets: list, pinned: dict, time: list, ttl: str) -> None:
+    """I13: each sticky bucket's per-replica counts (stickyn:<b>) are its entries naming each
+    replica; while P pinned is current (its "@" is the oldest live bucket), each replica's
+    pinned sessions are its entries in the live buckets."""
+    entries: dict[int, dict[str, int]] = {}
+    counted: dict[int, dict[str, int]] = {}
+    for key, flat in buckets:
+        family, b = key[len(p) :].split(":")
+        if family == "sticky":
+            per = entries.setdefault(int(b), {})
+            for sid in _pairs(flat).values():
+                per[sid] = per.get(sid, 0) + 1
+        elif family == "stickyn":
+            counted[int(b)] = {sid: int(n) for sid, n in _pairs(flat).items() if int(n)}
+    for b in set(entries) | set(counted):
+        assert entries.get(b, {}) == counted.get(b, {}), (
+            f"sticky bucket {b}: entries per replica {entries.get(b)}, counts {counted.get(b)}"
+        )
+    if "@" not in pinned or not ttl:
+        return  # not made yet (or spread_sessions off): the next tie makes it
+    sticky_ms = int(ttl)
+    width = -(-sticky_ms // STICKY_BUCKETS)
+    now = int(time[0]) * 1000 + int(time[1]) // 1000
+    cur = now // width
+    lo = max(cur - -(-sticky_ms // width), (now - sticky_ms) // width)
+    if int(pinned["@"]) != lo:
+        return  # a bucket expired since: the next tie makes it again from the live ones
+    want: dict[str, int] = {}
+    for b, per in counted.items():
+        if b >= lo:
+            for sid, n in per.items():
+                want[sid] = want.get(sid, 0) + n
+    got = {sid: int(n) for sid, n in pinned.items() if sid != "@" and int(n)}
+    assert got == {sid: n for sid, n in want.items() if n}, (
+        f"pinned sessions {got}, live sticky entries per replica {want} (I13)"
+    )
 
 
 def silence(lb: Any) -> None:
@@ -123,8 +198,33 @@ def listen(lb: Any, seconds: float, ttl_ms: int = 500) -> None:
 
     c = lb._core
     args = (f"{c.holder}-listener", ttl_ms, c.sticky_ms, c.max_age_ms, RESEND_WINDOW_MS, 0,
-            *c.routing, c.ejection)  # fmt: skip
+            *c.routing, c.ejection, c.engine, c.min_cached, c.spread)  # fmt: skip
     until = time.monotonic() + seconds
     while time.monotonic() < until:
         lb._exec(Call(load("heartbeat"), args))
         time.sleep(0.02)
+
+
+def settled(client: redis.Redis) -> redis.Redis:
+    """``client``, made to read what this process's sync releases did.
+
+    A release does not wait for Redis: it is written at once and answered in the background
+    (redis_router.outbox), so a look on another connection right after ``release()`` could run
+    before it. Before each command ``client`` reads the replies of every release written to its
+    server, as ``Released.result()`` would; the asyncio balancers' releases are answered on
+    their own loop and are not covered. Tests that act while releases are still unanswered
+    (killing their connection) use a client of their own.
+    """
+    pool = client.connection_pool
+    where = (pool.connection_kwargs.get("host"), pool.connection_kwargs.get("port"))
+    get_connection = pool.get_connection
+
+    def answered_first(*args: Any, **kwargs: Any) -> Any:
+        for box in list(outbox._open):
+            kw = box._pool.connection_kwargs
+            if box.unanswered and (kw.get("host"), kw.get("port")) == where:
+                box.drain()
+        return get_connection(*args, **kwargs)
+
+    pool.get_connection = answered_first  # type: ignore[method-assign]
+    return client

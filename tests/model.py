@@ -60,6 +60,7 @@ class PrefixPolicy:
     record: bool = True
 
 
+FAR = 4  # prefix_cache.lua: a replica this many times balance_abs over the least is hot
 EJECT_AFTER = 2  # failures in a row that eject a replica (the fuzz balancers' eject_after)
 MAX_EJECTED = 0.5
 
@@ -173,11 +174,12 @@ class Model:
         if holders is None:
             return least, 0
         allowed: set[str] = set()
-        imbalanced = self._imbalanced(taking, lo, hi)
-        if True in imbalanced:
-            allowed |= least
-        if False in imbalanced:
-            allowed |= _least(sorted(holders), lo, hi)
+        for h in _least(sorted(holders), lo, hi):
+            hot = self._hot(taking, lo, hi, h)
+            if True in hot:
+                allowed |= least
+            if False in hot:
+                allowed.add(h)
         return allowed, 0
 
     def _prefix_holders(self, prompt: Prompt, taking: set[str]) -> set[str] | None:
@@ -190,15 +192,21 @@ class Model:
                 return got
         return None
 
-    def _imbalanced(self, taking: list[str], lo: dict[str, int], hi: dict[str, int]) -> set[bool]:
-        """Whether the pool counts as imbalanced (both thresholds exceeded), for every count
-        the replicas may have: {True}, {False} or both."""
+    def _hot(self, taking: list[str], lo: dict[str, int], hi: dict[str, int], h: str) -> set[bool]:
+        """Whether one more request would make holder ``h`` a hot spot (its count then exceeds
+        the median count of the replicas taking new sessions by more than balance_abs and is
+        more than balance_rel times it, or exceeds the least count by more than FAR times
+        balance_abs and is more than balance_rel times it), for every count the replicas may
+        have: {True}, {False} or both."""
         assert self.prefix is not None
         p = self.prefix
         if any(lo[s] != hi[s] for s in taking):
             return {True, False}  # counts not known exactly: either branch is allowed
-        mn, mx = min(hi[s] for s in taking), max(hi[s] for s in taking)
-        return {mx - mn > p.balance_abs and mx > p.balance_rel * mn}
+        counts = sorted(hi[s] for s in taking)
+        med, load, mn = counts[(len(counts) - 1) // 2], hi[h] + 1, counts[0]
+        over_median = load - med > p.balance_abs and load > p.balance_rel * med
+        over_least = load - mn > FAR * p.balance_abs and load > p.balance_rel * mn
+        return {over_median or over_least}
 
     def check_batch(self, requests: list[tuple[str, str]]) -> None:
         """Raise NoServers if a batch is refused whole (before anything is written): with

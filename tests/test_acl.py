@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from redis_router import RedisLoadBalancer
+from redis_router import EngineLoad, RedisLoadBalancer
 from redis_router.scripts import lua_dir
 
 # Refusals differ by version: NOPERM (7.x, Valkey) or "can't run this command" (6.2, and 7.0
@@ -56,15 +56,19 @@ def test_library_works_under_the_acl_user_and_cannot_touch_other_keys(
     r.set("rr:{billing}:servers", "precious")
     url = f"redis://router:pw@127.0.0.1:{server.port}/0"
     r.script_flush()  # the first call must load the scripts itself, as after a restart
-    with RedisLoadBalancer({"a": None, "b": None}, redis=url, name="jobs") as lb:
-        lease = lb.acquire("r1")
+    with RedisLoadBalancer(
+        {"a": None, "b": None}, redis=url, name="jobs", spread_sessions=True
+    ) as lb:
+        lease = lb.acquire("r1")  # a tie: the pinned sessions are counted (HGETALL)
         lb.acquire_many(["r2", "r3"])
+        assert lb.end_session("r3") == 1
         lb.drain_servers(["a"])
         lb.undrain_servers(["a"])
         assert lb.get_status()["total_inflight"] == 3
         assert lease.renew() and lease.release()
         lb.clear_sticky_cache()
         lb.reap()
+        assert lb.report_engine_load({"b": EngineLoad(1, 0, 0.5)}) == 1
         lb.remove_servers(["b"])
         assert lb.get_all_servers() == ["a"]
         assert lb.destroy() > 0

@@ -118,16 +118,17 @@ def test_ab_measures_both_trees_and_prints_every_measure():
     assert done.returncode == 0, done.stdout + done.stderr
     lines = {line.split()[0]: line.split() for line in done.stdout.splitlines()[2:]}
     measures = ("pair_us", "pair_redis_us", "tp_per_s", "tp_client_cpu_us", "tp_redis_cpu_us")
-    for measure in (*measures, "tp_solo_per_s"):
+    for measure in (*measures, "tp_solo_per_s", "apair_us", "apair_client_cpu_us"):
         ratio = lines[measure][-1]
         assert ratio.endswith("x") and math.isfinite(float(ratio[:-1])) and float(ratio[:-1]) > 0
     assert worktree_paths() == worktrees  # the temporary one is removed
 
 
 def test_script_ab_times_both_versions_call_by_call():
-    """``python -m benchmarks.script_ab`` against the commit before the one that grouped the
-    releases' writes: both versions' scripts run on one server and every script and size
-    gets a finite before, after and ratio."""
+    """``python -m benchmarks.script_ab`` against the commit that added the spread_sessions
+    setting to every acquire's arguments (the last change of the arguments the client sends):
+    both versions' scripts run on one server and every script and size gets a finite before,
+    after and ratio."""
 
     def git(*args: str) -> str:
         return subprocess.run(
@@ -135,9 +136,11 @@ def test_script_ab_times_both_versions_call_by_call():
         ).stdout
 
     worktrees = worktree_paths()
-    grouped = git("log", "--format=%H", "-1", "--grep", "commuting writes grouped").strip()
+    rev = git("log", "--format=%H", "-1", "--grep", "spread_sessions: among the least loaded")
+    rev = rev.strip()
+    assert rev
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.script_ab", grouped + "~1", "--calls", "30"],
+        [sys.executable, "-m", "benchmarks.script_ab", rev, "--calls", "30"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -52,7 +52,7 @@ def private(binary: ServerBinary) -> Iterator[LocalServer]:
 @pytest.fixture
 def r_private(private: LocalServer) -> Iterator[Any]:
     """A raw client on the private server, to look at keys the way redis-cli would."""
-    c = private.client(decode_responses=True)
+    c = invariants.settled(private.client(decode_responses=True))
     yield c
     c.close()
 

@@ -350,11 +350,11 @@ def test_fcall_and_evalsha_give_identical_results_on_random_sequences(server, r,
             grants = lb.acquire_many(arg)
             return grants
         if op == "release" and held:
-            return held.pop(arg % len(held)).release()
+            return held.pop(arg % len(held)).release().result()
         if op == "fail" and held:
-            return held.pop(arg % len(held)).fail()
+            return held.pop(arg % len(held)).fail().result()
         if op == "release_by_id":
-            return lb.release_server(f"s{arg % 4}", ids[arg % len(ids)])
+            return lb.release_server(f"s{arg % 4}", ids[arg % len(ids)]).result()
         if op == "drain":
             return lb.drain_servers([arg])
         if op == "undrain":

@@ -109,11 +109,12 @@ class AsyncMachine(BalancerMachine):
             coros: list[Any] = [
                 lb.acquire(rid, token=token, **self.fields(pick)) for rid, token, pick in acquires
             ]
+            # Each release is queued when gather starts it, after the acquires before it.
             for kind, sid, rid, token in releases:
                 if kind == "token":
-                    coros.append(lb._release_one(sid, rid, token))  # what AsyncLease.release sends
+                    coros.append(_awaited(lb._post, sid, rid, token))  # as AsyncLease.release
                 else:
-                    coros.append(lb.release_server(sid, rid))
+                    coros.append(_awaited(lb.release_server, sid, rid))
             return await asyncio.gather(*coros, return_exceptions=True)
 
         # The process's ledger as the turn starts: a release by replica only hints its own
@@ -260,3 +261,8 @@ def test_coalesced_asyncio_calls_equal_sequential_ones_in_the_model(
     took = time.monotonic() - t0
     print(f"\nasync fuzz on {fuzz_server.binary.label}: {stats.line()}, {took:.1f}s")
     assert stats.operations >= MIN_OPERATIONS and stats.batches
+
+
+async def _awaited(post: Any, *args: Any) -> Any:
+    """Queue a release when the task running this starts, and wait for its result."""
+    return await post(*args)

@@ -101,7 +101,7 @@ def test_removing_a_replica_ends_its_leases(make_lb, r):
     lb.remove_servers(["s0"])
     assert lb.get_total_inflight() == 3
     for lease in leases:
-        assert lease.release() == (lease.server_id == "s1")
+        assert lease.release().result() == (lease.server_id == "s1")
     lb.add_servers({"s0": "a"})  # back, with no stale leases
     assert invariants.check(r, lb.name) == {"s0": 0, "s1": 0}
 

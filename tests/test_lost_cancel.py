@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection
 
 from redis_router import AsyncRedisLoadBalancer, RedisLoadBalancer
@@ -54,6 +55,13 @@ def _hold_send_until_cancelled(
     return held
 
 
+def _plain(server: Any) -> Any:
+    """A client as redis-py makes it, passed in: its connections write through
+    ``asyncio.wait_for`` (the balancer's own clients write without it, so their sends lose
+    no cancel; a client passed in still does)."""
+    return aioredis.Redis.from_url(server.url)
+
+
 async def _until(held: list[Any]) -> None:
     async with asyncio.timeout(10):
         while not held:
@@ -65,7 +73,7 @@ def test_close_stops_a_keeper_whose_cancel_is_lost(server, r, monkeypatch):
     reaper = RedisLoadBalancer(redis=server.url, name=name, lease_ttl=0.4)
 
     async def main() -> asyncio.Task[Any]:
-        lb = AsyncRedisLoadBalancer(SERVERS, redis=server.url, name=name, lease_ttl=0.4)
+        lb = AsyncRedisLoadBalancer(SERVERS, redis=_plain(server), name=name, lease_ttl=0.4)
         await lb.acquire_server("left-open")
         held = _hold_send_until_cancelled(monkeypatch, "heartbeat", lambda: lb._keeper)
         await _until(held)  # a heartbeat is on its way
@@ -95,7 +103,7 @@ def test_leaving_a_renewed_lease_stops_its_renewer_whose_cancel_is_lost(server, 
         return next((t for t in asyncio.all_tasks() if "_renew_age" in repr(t.get_coro())), None)
 
     async def main() -> asyncio.Task[Any]:
-        async with AsyncRedisLoadBalancer(SERVERS, redis=server.url, name=name) as lb:
+        async with AsyncRedisLoadBalancer(SERVERS, redis=_plain(server), name=name) as lb:
             held = _hold_send_until_cancelled(monkeypatch, "renew", renewer)
             async with asyncio.timeout(10):  # before the fix, leaving the lease hung
                 async with lb.lease("long", renew_every=0.02) as lease:
@@ -123,7 +131,7 @@ def test_a_cancel_while_leaving_a_renewed_lease_propagates_and_releases(server, 
     monkeypatch.setattr("redis_router.aio._renew_age", slow_to_stop)
 
     async def main() -> None:
-        async with AsyncRedisLoadBalancer(SERVERS, redis=server.url, name=name) as lb:
+        async with AsyncRedisLoadBalancer(SERVERS, redis=_plain(server), name=name) as lb:
 
             async def body() -> None:
                 async with lb.lease("long", renew_every=1.0):

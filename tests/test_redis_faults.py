@@ -61,7 +61,7 @@ def _poll(check: Callable[[], bool], limit: float, what: str) -> float:
 
 
 def _raw(server: LocalServer) -> redis.Redis:
-    return server.client(decode_responses=True)
+    return invariants.settled(server.client(decode_responses=True))
 
 
 def _two_live_holders(server: LocalServer, ttl: float) -> tuple[RedisLoadBalancer, ...]:

@@ -117,7 +117,7 @@ def _resent(
 def test_a_resent_release_without_request_id_ends_one_lease(impatient, r, stall):
     lb = _lb(impatient, "resend-replica")
     lb.acquire_server("a"), lb.acquire_server("b")
-    assert _resent(r, lambda: lb.release_server("s0"), stall) is True
+    assert _resent(r, lambda: lb.release_server("s0").result(), stall) is True
     assert lb.get_inflight_count("s0") == 1
     assert lb.release_server("s0") and not lb.release_server("s0")
     assert invariants.check(r, lb.name) == {"s0": 0}
@@ -126,7 +126,7 @@ def test_a_resent_release_without_request_id_ends_one_lease(impatient, r, stall)
 def test_a_resent_release_by_request_id_reports_true_and_ends_one_lease(impatient, r, stall):
     lb = _lb(impatient, "resend-request")
     lb.acquire_server("same"), lb.acquire_server("same")  # two leases of one request id
-    assert _resent(r, lambda: lb.release_server("s0", "same"), stall) is True
+    assert _resent(r, lambda: lb.release_server("s0", "same").result(), stall) is True
     assert lb.get_inflight_count("s0") == 1
     assert lb.release_server("s0", "same")
     assert invariants.check(r, lb.name) == {"s0": 0}
@@ -135,7 +135,7 @@ def test_a_resent_release_by_request_id_reports_true_and_ends_one_lease(impatien
 def test_a_resent_lease_release_reports_true(impatient, r, stall):
     lb = _lb(impatient, "resend-lease")
     lease, other = lb.acquire("x"), lb.acquire("y")
-    assert _resent(r, lease.release, stall) is True
+    assert _resent(r, lambda: lease.release().result(), stall) is True
     assert lb.get_inflight_count("s0") == 1 and other.release()
     assert invariants.check(r, lb.name) == {"s0": 0}
 
@@ -160,7 +160,7 @@ def test_a_resent_release_by_request_id_from_another_process_ends_one_lease(impa
     lb = _lb(impatient, "resend-request-other")
     lb.acquire_server("same"), lb.acquire_server("same")
     other = RedisLoadBalancer({"s0": None}, redis=impatient, name="resend-request-other")
-    assert _resent(r, lambda: other.release_server("s0", "same"), stall) is True
+    assert _resent(r, lambda: other.release_server("s0", "same").result(), stall) is True
     assert lb.get_inflight_count("s0") == 1
     assert other.release_server("s0", "same") and not other.release_server("s0", "same")
     assert invariants.check(r, lb.name) == {"s0": 0}

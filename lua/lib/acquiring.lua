@@ -7,6 +7,7 @@ local function lease_record(policy, i, id, field, holder)
   if not w or w <= 0 then return field .. SEP .. holder end
   w = int(w)
   redis.call('ZINCRBY', P .. 'weighted', w, id)
+  redis.call('ZADD', P .. 'wscore', 'XX', 'INCR', w, id) -- engine-aware tokens (lib/scoring)
   return field .. SEP .. holder .. SEP .. w
 end
 
@@ -15,6 +16,11 @@ end
 -- loaded one's by more than MARGIN requests and is above RATIO times it (taken as at least 1);
 -- both when both are set. Counted per replica left in P.."repins".
 local MARGIN, RATIO = nil, nil
+-- Eviction-aware stickiness (sticky_min_cached, a share in (0, 1]; nil = off), an option of
+-- a policy that reads an index of what the replicas' caches hold: a sticky turn whose replica
+-- no longer holds that share of the prompt (policy.evicted(i, old, share)) is placed anew by
+-- the policy, as a new session would be, and counted as a re-pin when it leaves.
+local MINCACHED = nil
 -- HOLD: ejected_sticky = 'wait' (the pinned ejection settings' last field): a sticky session
 -- whose replica is ejected is refused (EJECTED) instead of balanced anew, and waits for it.
 local HOLD = false
@@ -23,9 +29,18 @@ local HOLD = false
 local function overloaded(old)
   local s = redis.call('ZSCORE', LOAD, old)
   if not s then return false end -- draining: it serves its sticky sessions only
-  s = tonumber(s)
-  if not LL.min then load_peek() end
-  local m = LL.min
+  local m
+  if ENGINE then -- scores, not counts, and only off a replica whose engine queues requests
+    -- (or is past the KV ceiling): a session whose next turn would run at once keeps its cache
+    local sc = scoring()
+    if not sc.pressed(old, now_ms()) then return false end
+    s, m = tonumber(redis.call('ZSCORE', P .. 'escore', old)), sc.level()
+    if not (s and m) then return false end
+  else
+    s = tonumber(s)
+    if not LL.min then load_peek() end
+    m = LL.min
+  end
   return (not MARGIN or s - m > MARGIN) and (not RATIO or s > RATIO * math.max(m, 1))
 end
 
@@ -106,7 +121,7 @@ local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
     return { id, redis.call('HGET', P .. 'servers', id), 2 }
   end
   local old, ob
-  for b = cur, cur - span, -1 do
+  for b = cur, SEAT and SEAT.lo or cur - span, -1 do
     old = redis.call('HGET', P .. 'sticky:' .. int(b), req)
     if old then
       ob = b
@@ -117,16 +132,21 @@ local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
   -- sticky hit needs no membership lookup; only a new session needs the NOSERVERS check.
   local id, how, stay = old, 1, old
   local moved = old and (MARGIN or RATIO) and overloaded(old)
+  if old and not moved and MINCACHED and policy.evicted(i, old, MINCACHED) then
+    moved = pool_of(old) ~= nil -- (a replica out of the pool loses its sessions anyway)
+  end
   if moved then stay = nil end
   if not (stay and redis.call('ZADD', LOAD, 'XX', 'INCR', '1', old)) then
     if not (stay and redis.call('ZADD', P .. 'draining', 'XX', 'INCR', '1', old)) then
       local held = HOLD and old and admit().held(old, now)
       if held then return held end
-      if not LL.min and not load_peek() then return admit().refused() end
+      -- (engine-aware, the pick reads scores, not counts: no replica to pick is refused below)
+      if not (ENGINE or LL.min) and not load_peek() then return admit().refused() end
       local g = not moved and ARGV[i + 3]
       if g == '' then g = nil end
       local grp = g and groups(cur, span, width, ttl)
       id, how = grp and grp.target(g) or policy.choose(i), 0
+      if not id then return admit().refused() end
       redis.call('ZINCRBY', LOAD, '1', id)
       if moved and id ~= old then redis.call('HINCRBY', P .. 'repins', old, '1') end
       if grp then
@@ -135,6 +155,7 @@ local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
       end
     end
   end
+  if ENGINE then redis.call('ZADD', P .. 'escore', 'XX', 'INCR', '1', id) end
   if CAPS then admit().filled(id) end
   local at = int(now)
   redis.call('ZADD', P .. 'held:' .. id, at, token)
@@ -158,6 +179,10 @@ local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
       redis.call('PEXPIREAT', key, expire_at)
       redis.call('PEXPIREAT', nkey, expire_at)
     end
+    if SEAT and old ~= id then -- the replicas' pinned sessions (lib/picking)
+      if old then redis.call('HINCRBY', P .. 'pinned', old, '-1') end
+      redis.call('HINCRBY', P .. 'pinned', id, '1')
+    end
   end
   redis.call('HINCRBY', P .. 'acquires', id, '1')
   if how == 1 then redis.call('HINCRBY', P .. 'sticky_hits', id, '1') end
@@ -171,11 +196,16 @@ end
 -- ARGV[5] router flag (core: 1 = full_determinism), ARGV[6] holder, ARGV[7] affinity margin,
 -- ARGV[8] affinity ratio ("" = off: a sticky session stays however loaded its replica is),
 -- ARGV[9] group cap ("" = none), ARGV[10] group_by (only checked against the pinned one),
--- ARGV[11] ejection settings (pinned; lib/health.lua), ARGV[12] waiting ticket ("" = none);
+-- ARGV[11] ejection settings (pinned; lib/health.lua), ARGV[12] waiting ticket ("" = none),
+-- ARGV[13] engine-aware scoring (pinned; lib/scoring.lua; "" = off), ARGV[14] spread_sessions
+-- (pinned; "1" = new sessions' ties go to the replica with the fewest pinned sessions);
 -- then `stride` arguments per request starting at ARGV[HEAD + 1]: request id, lease token,
 -- random integer, group id ("" = none), then the router's own from ARGV[i + OWN].
 -- `policy` is the routing policy's Lua side, a table of functions of the ARGV index i where a
 -- request's arguments start: choose(i) picks the replica for a new session (nil: none);
+-- min_cached, if given, is the policy's sticky_min_cached as pinned ("" = off; a string, the
+-- same for every call of a process), and evicted(i, old, share) says whether replica `old` of
+-- a sticky request no longer holds `share` of its prompt (asked only while it is on);
 -- weight(i), if given, is the request's weight (a number >= 0) for the replica's weighted
 -- load; granted(i, id, token), if given, runs after each new lease is counted (its replica's
 -- count is already +1; the lease records themselves are written when the whole batch is
@@ -197,9 +227,21 @@ local function acquire_all(stride, policy)
   -- An acquire is a heartbeat of its holder, and reaps nothing: the holders' keepers do,
   -- in short calls of their own, so no acquire is slowed by another process's crash.
   local mismatch = heartbeat(holder, now, lease_ms, ARGV[3], ARGV[7], ARGV[8], ARGV[9],
-    ARGV[10], ARGV[11])
+    ARGV[10], ARGV[11], ARGV[13], policy.min_cached or '', ARGV[14])
   if mismatch then return mismatch end
+  -- spread_sessions (pinned): new sessions' ties go to the fewest pinned sessions
+  -- (lib/picking). Lookups then stop at the oldest live sticky bucket (bucket b expires at
+  -- (b + 1) * width + ttl), so an entry at its very expiry is neither found nor counted.
+  if ARGV[14] == '1' then
+    SEAT = { lo = math.max(cur - span, math.floor((now - ttl) / width)), cur = cur, d = {} }
+  end
   MARGIN, RATIO, CAP = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+  MINCACHED = policy.evicted and tonumber(policy.min_cached or '')
+  -- Engine-aware scoring (lib/scoring.lua), pinned as the other settings.
+  if ARGV[13] ~= '' then
+    ENGINE = scoring().setting(ARGV[13])
+    scoring().ready(now)
+  end
   -- Health and admission (lib/admission.lua): free while no ejection is due, no replica declares
   -- a capacity and nobody waits.
   if ARGV[11] ~= '' then
@@ -233,7 +275,7 @@ local function acquire_all(stride, policy)
     end
   end
   LL.batch = true
-  for b = cur, cur - span, -1 do
+  for b = cur, SEAT and SEAT.lo or cur - span, -1 do
     if np == 0 then break end
     local key = P .. 'sticky:' .. int(b)
     -- A bucket that has expired (or never was) is skipped with one EXISTS, not K lookups.
@@ -308,6 +350,7 @@ local function acquire_all(stride, policy)
       local old, ob = sid[req], sb[req]
       local zs = old and pool(old)
       local moved = zs == LOAD and (MARGIN or RATIO) and overloaded(old)
+      if zs and not moved and MINCACHED then moved = policy.evicted(i, old, MINCACHED) end
       if moved then zs = nil end
       if zs then
         id, how = old, 1
@@ -323,6 +366,7 @@ local function acquire_all(stride, policy)
       end
       local score = redis.call('ZINCRBY', zs, '1', id)
       if zs == LOAD then load_incremented(score, id) end
+      if ENGINE then redis.call('ZADD', P .. 'escore', 'XX', 'INCR', '1', id) end
       if CAPS and admit().filled(id) then member[id], LL.min = false, nil end
       local field = id .. SEP .. req
       granted_tok[token] = field
@@ -360,6 +404,11 @@ local function acquire_all(stride, policy)
         end
         sticky_kv[ns + 1], sticky_kv[ns + 2], ns = req, id, ns + 2
         sticky_count(cur, id, 1)
+        if SEAT and old ~= id then -- the replicas' pinned sessions, at the end (lib/picking)
+          local d = SEAT.d
+          if old then d[old] = (d[old] or 0) - 1 end
+          d[id] = (d[id] or 0) + 1
+        end
         sid[req], sb[req] = id, cur
       end
       if policy.granted then policy.granted(i, id, token) end
@@ -410,6 +459,9 @@ local function acquire_all(stride, policy)
       local expire_at = int((cur + 1) * width + ttl)
       redis.call('PEXPIREAT', key, expire_at)
       redis.call('PEXPIREAT', nkey, expire_at)
+    end
+    for id, d in pairs(SEAT and SEAT.d or {}) do
+      if d ~= 0 then redis.call('HINCRBY', P .. 'pinned', id, int(d)) end
     end
   end
   return TICKET and admit().served(out, now) or out

@@ -18,15 +18,22 @@
 --                             its first copy's result here (lib/leases.lua rotate_ended)
 --   P.."sticky:"..b     HASH  request id -> server id, sessions last seen in time bucket b
 --   P.."stickyn:"..b    HASH  server id -> sessions in bucket b (expires with it)
+--   P.."pinned"         HASH  server id -> live sticky sessions naming it, "@" -> the oldest
+--                             bucket counted (lib/picking: new sessions' tie-break, I13)
 --   P.."acquires", P.."sticky_hits", P.."reclaimed"   HASH  server id -> counter
 --   P.."config"         HASH  settings every process must share (sticky_ttl_ms,
---                             affinity_margin, affinity_ratio, group_cap, group_by; "" = off)
+--                             affinity_margin, affinity_ratio, group_cap, group_by, ejection,
+--                             engine, sticky_min_cached, spread; "" = off)
 --   P.."repins"         HASH  server id -> sticky sessions moved off it by the affinity margin
+--                             or because it no longer held their prompt (sticky_min_cached)
 --   P.."group:"..b      HASH  group id -> server id.."\31"..members placed there in a row,
 --                             groups last joined in time bucket b (expires as sticky:b does)
 --   P.."weighted"       ZSET  server id -> sum of the weights of its leases (0 unless a policy
 --                             weighs requests, e.g. by prompt tokens)
 --   P.."capacity"       HASH  server id -> requests it can hold (declared; absent = no limit)
+--   P.."escore", P.."eextra"  ZSET / HASH  engine-aware scores and what reports add to the
+--                             counts (lib/scoring.lua; only while engine scoring is pinned);
+--                             P.."wscore", P.."wextra" the same for least_tokens, in tokens
 --   P.."off"            ZSET  server id -> in-flight count, replicas taking no acquire for now
 --                             (full or ejected); P.."back" HASH id -> 'load' | 'draining'
 --   P.."ejected", P.."eject_why", P.."fails", P.."ejections", P.."failures": lib/health.lua
@@ -35,6 +42,8 @@
 --   P.."clock"          HASH  when Redis last heard a heartbeat and the probation after a
 --                             pause (liveness() below)
 --   P.."heal"           HASH  cursors of the repair pass (heal.lua)
+--   P.."engine", P.."engine_at": what the engines report of their own load, and when
+--                             (lib/engine.lua)
 -- Invariants (docs/design.md): I1 ZSCORE load|draining|off id == ZCARD held:id after every script,
 -- and ZSCORE weighted id == the sum of its leases' weights; I2 every lease is in its holder's
 -- owned set, every owned token is a lease, and a holder leaves P.."holders" only once it owns
@@ -47,10 +56,11 @@ local LOAD = P .. 'load'
 -- buckets to search back, router flag, holder, affinity margin (in-flight requests, "" = off),
 -- affinity ratio ("" = off), group cap (members, "" = none), group_by (pinned only),
 -- ejection settings (pinned, lib/health.lua; "" = off; ends in ' wait' for ejected_sticky =
--- 'wait'), waiting ticket ("" = none).
+-- 'wait'), waiting ticket ("" = none), engine-aware scoring (pinned, lib/scoring.lua),
+-- spread_sessions (pinned, lib/picking.lua; "1" = on, "" = off).
 -- Requests start at ARGV[HEAD + 1]; each has OWN core arguments (request id, lease token,
 -- random integer, group id or "") before a policy's own, which start at ARGV[i + OWN].
-local HEAD = 12
+local HEAD = 14
 local OWN = 4
 -- Hot path: a redis.call costs ~0.2 us, and turning a number into a string ~0.3 us (Lua's
 -- tostring and the server's "%.17g" both go through printf for doubles), against ~0.03 us

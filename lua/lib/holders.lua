@@ -14,7 +14,7 @@ local function heartbeat(holder, now, ttl, ...)
   -- The settings every process of a balancer must share, as fields of P.."config" ("" = off)
   -- (a table made only here: most calls of the scripts that load this part never get here).
   local PINNED = { 'sticky_ttl_ms', 'affinity_margin', 'affinity_ratio', 'group_cap', 'group_by',
-    'ejection' }
+    'ejection', 'engine', 'sticky_min_cached', 'spread' }
   local mine = { ... }
   local pinned = redis.call('HMGET', P .. 'config', unpack(PINNED))
   local fresh = {}

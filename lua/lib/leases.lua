@@ -55,8 +55,13 @@ local function end_lease(token, rec, toks, unowned)
   else
     redis.call('ZREM', P .. 'owned:' .. holder, token)
   end
-  if w then redis.call('ZINCRBY', P .. 'weighted', '-' .. w, id) end
+  if w then
+    redis.call('ZINCRBY', P .. 'weighted', '-' .. w, id)
+    redis.call('ZADD', P .. 'wscore', 'XX', 'INCR', '-' .. w, id) -- I12, while it exists
+  end
   redis.call('ZREM', P .. 'held:' .. id, token)
+  -- The engine-aware score follows the count while it exists (lib/scoring.lua, I12).
+  redis.call('ZADD', P .. 'escore', 'XX', 'INCR', '-1', id)
   -- ZADD XX INCR changes the count only where the replica is (load, else draining, else off).
   if not redis.call('ZADD', LOAD, 'XX', 'INCR', '-1', id) then
     if not redis.call('ZADD', P .. 'draining', 'XX', 'INCR', '-1', id) then

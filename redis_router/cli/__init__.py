@@ -45,6 +45,9 @@ COMMANDS: dict[str, Command] = {
     "health": Command(
         "redis_router.cli.health", "probe the replicas' health URLs and eject failing ones"
     ),
+    "load": Command(
+        "redis_router.cli.load", "report the engines' own load (running, waiting, KV cache)"
+    ),
     "owner": Command("redis_router.cli.locality:owner", "print the replica serving a request"),
     "bump-weight-version": Command(
         "redis_router.cli.locality:bump", "drop every cache-locality record after new weights"

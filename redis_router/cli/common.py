@@ -4,6 +4,7 @@ errors, and the status snapshot that the table, the JSON and the exporter all re
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import signal
 import threading
@@ -13,12 +14,13 @@ from typing import Any, NamedTuple
 
 from redis import exceptions as rx
 
-from .. import health, validation
+from .. import dp, health, validation
 from ..connection import connect, redact, resolve_url, send_failure, unavailable_message
 from ..core import OPTION_DEFAULTS, BalancerCore, Call, Op, T, build_core
 from ..errors import RedisUnavailable
 from ..invoke import Sender
 from ..policy import LeastLoaded
+from ..scoring import EngineScoring
 
 
 class CliError(Exception):
@@ -240,6 +242,8 @@ def snapshot(balancer: Balancer) -> dict[str, Any]:
         replicas[sid].update({f: r[f] for f in REPLICA_FIELDS})
         replicas[sid].update({f: r[f] for f in HEALTH_FIELDS})
         replicas[sid]["metadata"] = r["metadata"]
+        if r.get("engine") is not None:  # the engine's own figures (redis-router load)
+            replicas[sid]["engine"] = r["engine"]
     states = [r["state"] for r in replicas.values()]
     totals: dict[str, Any] = {
         "replicas": len(replicas),
@@ -264,7 +268,13 @@ def snapshot(balancer: Balancer) -> dict[str, Any]:
     snap["ejection"] = health.describe(
         pinned.decode() if isinstance(pinned, bytes) else pinned or ""
     )
+    # Engine-aware scoring as pinned (None: off): redis_router.scoring.
+    engine = balancer.client.hget(config_key(balancer.name), "engine")
+    scoring = EngineScoring.parse(engine.decode() if isinstance(engine, bytes) else engine or "")
+    snap["engine_scoring"] = dataclasses.asdict(scoring) if scoring else None
     snap["waiting"] = raw["waiting"]
+    # data-parallel replicas: their ranks' ids and sums (redis_router.dp)
+    snap["dp_replicas"] = dp.grouped(replicas)
     if raw.get("holders") is not None:  # worker processes: live, dead, leases awaiting reclaim
         snap["holders"] = raw["holders"]
     return snap

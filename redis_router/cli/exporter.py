@@ -13,7 +13,8 @@ never staler than the scrape and an idle exporter costs Redis nothing). Per repl
     redis_router_reclaimed_leases_total   counter  leases reclaimed (their process died, or
                                                    they outlived max_lease_age)
     redis_router_repins_total             counter  sticky sessions moved off the replica by
-                                                   the affinity margin or ratio
+                                                   the affinity margin or ratio, or because
+                                                   it no longer held their prompt
     redis_router_capacity                 gauge    requests it can hold (only replicas that
                                                    declare one)
     redis_router_ejected                  gauge    1 while ejected (failing), by ``reason``
@@ -29,6 +30,10 @@ and for acquires that wait for a place in a full pool ``redis_router_waiting`` (
 ``redis_router_oldest_wait_seconds``, ``redis_router_waits_total`` by ``outcome``
 served|timed_out|abandoned, ``redis_router_wait_seconds_total`` (of the served) and
 ``redis_router_max_wait_seconds``.
+For replicas whose engine reported its own load (``redis-router load``, docs/engine-load.md):
+``redis_router_engine_running``, ``redis_router_engine_waiting``,
+``redis_router_engine_kv_usage`` (0 to 1, only when known) and
+``redis_router_engine_report_age_seconds`` (a growing age: no reporter reaches it).
 For replicas whose metadata names a KV-events publisher (docs/kv_events.md):
 ``redis_router_kv_index_exact`` (1 while routing may trust the exact index),
 ``redis_router_kv_index_blocks`` and ``redis_router_kv_index_degraded`` by ``reason``.
@@ -62,7 +67,12 @@ COUNTERS = (
     ("acquires", "acquires", "Requests routed to the replica."),
     ("sticky_hits", "sticky_hits", "Requests routed to the replica by their sticky session."),
     ("reclaimed_leases", "reclaimed", "Leases on the replica reclaimed from dead holders."),
-    ("repins", "repins", "Sticky sessions moved off the replica by the affinity tolerance."),
+    (
+        "repins",
+        "repins",
+        "Sticky sessions moved off the replica by the affinity tolerance, or because it no "
+        "longer held their prompt (sticky_min_cached).",
+    ),
 )
 
 
@@ -127,6 +137,7 @@ class BalancerCollector:
                 c.add_metric([self.name, sid], float(r[field]))
             yield c
         yield from _health(self.name, replicas)
+        yield from _engine(self.name, replicas)
         yield from _waiting(self.name, (status or {}).get("waiting"))
         yield from self._kv_index({sid: r["metadata"] for sid, r in replicas.items()})
 
@@ -197,6 +208,39 @@ def _health(name: str, replicas: dict[str, Any]) -> Iterator[Any]:
         streak.add_metric([name, sid], float(r["failures_in_a_row"]))
         failures.add_metric([name, sid], float(r["failures"]))
     yield from (cap, ejected, left, streak, failures)
+
+
+def _engine(name: str, replicas: dict[str, Any]) -> Iterator[Any]:
+    """What the engines reported of their own load, and how old each report is."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    labels = ["balancer", "replica"]
+    running = GaugeMetricFamily(
+        "redis_router_engine_running", "Requests the engine reported running.", labels=labels
+    )
+    waiting = GaugeMetricFamily(
+        "redis_router_engine_waiting", "Requests the engine reported queued.", labels=labels
+    )
+    kv = GaugeMetricFamily(
+        "redis_router_engine_kv_usage",
+        "Fraction of its KV cache the engine reported in use (0 to 1).",
+        labels=labels,
+    )
+    age = GaugeMetricFamily(
+        "redis_router_engine_report_age_seconds",
+        "Seconds since the engine's load was last reported.",
+        labels=labels,
+    )
+    for sid, r in replicas.items():
+        e = r.get("engine")
+        if e is None:
+            continue
+        running.add_metric([name, sid], float(e["running"]))
+        waiting.add_metric([name, sid], float(e["waiting"]))
+        if e["kv_usage"] is not None:
+            kv.add_metric([name, sid], float(e["kv_usage"]))
+        age.add_metric([name, sid], float(e["age_s"]))
+    yield from (running, waiting, kv, age)
 
 
 def _waiting(name: str, waiting: dict[str, Any] | None) -> Iterator[Any]:

@@ -71,8 +71,8 @@ def probe(url: str, timeout: float) -> tuple[bool, str]:
 
 
 def check_round(balancer: Balancer, path: str, timeout: float) -> dict[str, str]:
-    """Probe every replica that has a health URL and report the outcomes; returns each
-    probed replica's state after the report."""
+    """Probe every health URL of the pool once and report the outcome for each replica (each
+    rank) probed there; returns each probed replica's state after the report."""
     raw = balancer.client.hgetall(servers_key(balancer.name))
     targets: dict[str, str] = {}
     for sid, meta in raw.items():
@@ -85,11 +85,12 @@ def check_round(balancer: Balancer, path: str, timeout: float) -> dict[str, str]
             targets[sid] = url
     if not targets:
         return {}
-    with ThreadPoolExecutor(min(MAX_PARALLEL, len(targets))) as pool:
-        results = dict(
-            zip(targets, pool.map(lambda u: probe(u, timeout), targets.values()), strict=True)
-        )
-    outcomes = [(sid, ok, why) for sid, (ok, why) in results.items()]
+    # One probe per URL: the ranks of a data-parallel replica (redis_router.dp) share theirs,
+    # and its outcome is each rank's, so they are ejected and come back together.
+    urls = sorted(set(targets.values()))
+    with ThreadPoolExecutor(min(MAX_PARALLEL, len(urls))) as pool:
+        probed = dict(zip(urls, pool.map(lambda u: probe(u, timeout), urls), strict=True))
+    outcomes = [(sid, *probed[url]) for sid, url in targets.items()]
     core = balancer.core()
     return balancer.run(core.report(outcomes), core)
 

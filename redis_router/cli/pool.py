@@ -15,6 +15,7 @@ import sys
 import time
 from typing import Any
 
+from .. import dp
 from ..core import probation_wait
 from .common import Balancer, CliError, Handlers, config_key, open_balancer
 
@@ -64,7 +65,8 @@ def _servers(args: argparse.Namespace) -> int:
         return _add(args)
     with open_balancer(args) as b:
         states = {sid: r["draining"] for sid, r in b.status()["replicas"].items()}
-        unknown = [sid for sid in args.ids if sid not in states]
+        replicas = {dp.replica_of(sid)[0] for sid in states}  # a rank's replica (its id)
+        unknown = [sid for sid in args.ids if sid not in states and sid not in replicas]
         if unknown:
             raise CliError(
                 f"balancer {b.name!r} has no replica {', '.join(map(repr, unknown))} "
@@ -94,10 +96,18 @@ def _add(args: argparse.Namespace) -> int:
         new = b.run(b.core().add_servers({args.id: meta}, capacity))
         if args.sticky_ttl is not None:
             _pin_sticky_ttl(b, args.sticky_ttl)
-        draining = b.status()["replicas"][args.id]["draining"]
+        rows = b.status()["replicas"]
+    units = sorted(
+        (sid for sid in rows if sid == args.id or dp.replica_of(sid)[0] == args.id),
+        key=lambda sid: dp.replica_of(sid)[1] or 0,
+    )
+    draining = any(rows[sid]["draining"] for sid in units)
     what = "added replica" if new else "updated the metadata of replica"
+    ranks = ""
+    if units != [args.id]:  # registered as its data-parallel ranks (redis_router.dp)
+        ranks = f" as {len(units)} data-parallel ranks ({units[0]} ... {units[-1]})"
     note = " (still draining: `servers undrain` to take new sessions)" if draining else ""
-    print(f"{what} {args.id!r} to balancer {b.name!r}{note}")
+    print(f"{what} {args.id!r}{ranks} to balancer {b.name!r}{note}")
     return 0
 
 

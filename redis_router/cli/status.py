@@ -9,6 +9,7 @@ import sys
 import time
 from typing import Any
 
+from .. import dp
 from ..errors import RedisUnavailable
 from .common import Balancer, open_balancer, snapshot
 
@@ -71,9 +72,17 @@ def render(snap: dict[str, Any], *, clock: str | None = None) -> str:
     head = f"balancer {snap['balancer']!r} at {snap['redis']} · {pinned}"
     lines = [head + (f" · {clock}" if clock else "")]
     rows = [[title for title, _ in COLUMNS]]
+    groups = snap.get("dp_replicas") or {}
     for sid, r in snap["replicas"].items():
+        replica, rank = dp.replica_of(sid)
+        group = groups.get(replica) if rank is not None else None
+        if group is not None and rank == dp.replica_of(group["units"][0])[1]:
+            rows.append(_group_row(replica, group, snap["replicas"]))
         shown = ("-" if r.get(f) is None else str(r[f]) for _, f in COLUMNS[2:-1])
-        rows.append([sid, r["state"], *shown, _meta(r["metadata"])])
+        meta = r["metadata"]
+        if group is not None:  # a rank: its replica's row shows the rest
+            sid, meta = "  " + sid, {dp.DP_RANK: rank}
+        rows.append([sid, r["state"], *shown, _meta(meta)])
     t = snap["totals"]
     sums = ("" if f == "capacity" else str(t[f]) for _, f in COLUMNS[2:-1])
     rows.append(["TOTAL", f"{t['replicas']} replicas", *sums, ""])
@@ -89,9 +98,18 @@ def render(snap: dict[str, Any], *, clock: str | None = None) -> str:
         f"draining, {t['drained']} drained"
     )
     lines += health_lines(snap)
+    lines += engine_lines(snap)
     lines += kv_index_lines(snap)
     lines += hints(snap)
     return "\n".join(lines)
+
+
+def _group_row(replica: str, group: dict[str, Any], rows: dict[str, Any]) -> list[str]:
+    """A data-parallel replica's row, above its ranks': its ranks' sums and its metadata."""
+    units = [rows[u] for u in group["units"]]
+    sums = ("-" if f == "capacity" else str(sum(u[f] for u in units)) for _, f in COLUMNS[2:-1])
+    meta = {k: v for k, v in units[0]["metadata"].items() if k != dp.DP_RANK}
+    return [replica, f"{len(units)} ranks", *sums, _meta(meta)]
 
 
 def with_kv_index(balancer: Balancer, snap: dict[str, Any]) -> dict[str, Any]:
@@ -120,6 +138,14 @@ def health_lines(snap: dict[str, Any]) -> list[str]:
             out.append(f"failing {sid}: {r['failures_in_a_row']} failures in a row")
     if "ejection" in snap:
         out.append(f"ejection: {snap['ejection']}")
+    scoring = snap.get("engine_scoring")
+    if scoring:
+        ceiling = scoring["kv_ceiling"]
+        out.append(
+            f"engine scoring: reports count for {scoring['ttl']:g} s, a full KV cache weighs "
+            f"{scoring['kv_weight']:g} requests, "
+            + (f"KV ceiling {ceiling:.0%}" if ceiling is not None else "no KV ceiling")
+        )
     w = snap.get("waiting")
     if w and (w["now"] or w["served"] or w["timed_out"]):
         out.append(
@@ -128,6 +154,21 @@ def health_lines(snap: dict[str, Any]) -> list[str]:
             f"{w['max_wait'] * 1000:.0f} ms), {w['timed_out']} gave up, {w['abandoned']} "
             "abandoned"
         )
+    return out
+
+
+def engine_lines(snap: dict[str, Any]) -> list[str]:
+    """One line per replica whose engine reported its own load (redis-router load), with the
+    report's age: an old one means no reporter reaches the replica."""
+    out = []
+    for sid, r in snap["replicas"].items():
+        e = r.get("engine")
+        if e:
+            kv = "unknown" if e["kv_usage"] is None else f"{e['kv_usage']:.1%}"
+            out.append(
+                f"engine {sid}: running {e['running']}, waiting {e['waiting']}, KV cache {kv} "
+                f"(reported {e['age_s']:.1f} s ago)"
+            )
     return out
 
 

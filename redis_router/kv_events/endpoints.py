@@ -3,7 +3,8 @@
 A replica's metadata (``servers add ID --meta JSON``) names its publisher under ``kv_events``: a
 ``tcp://host:port`` (or ``ipc://``) string, or a list of them, one per data-parallel rank; and
 optionally ``kv_events_replay`` likewise, the publisher's replay (ROUTER) socket. A replica
-without ``kv_events`` has no exact index.
+without ``kv_events`` has no exact index. A data-parallel rank registered as a pool member of
+its own (``dp_rank`` in its metadata, redis_router.dp) reads its rank's publisher only.
 
 vLLM (and SGLang) bind rank r's publisher at the configured port + r, so replicas on one
 machine need ports far enough apart: :func:`replica_ports` gives replica i the block
@@ -121,6 +122,21 @@ def streams_of(server_id: str, metadata: Any) -> list[StreamEndpoint]:
             f"replica {server_id!r}: {len(pubs)} kv_events endpoints but {len(replays)} "
             "kv_events_replay ones; give one of each per dp rank"
         )
+    rank = metadata.get("dp_rank")
+    if isinstance(rank, int) and not isinstance(rank, bool):
+        # A rank registered as a pool member of its own (redis_router.dp): its publisher
+        # alone, as a replica of one rank. One endpoint for all ranks is offset as vLLM does.
+        if len(pubs) > 1 and rank >= len(pubs):
+            raise ValueError(
+                f"replica {server_id!r}: dp_rank {rank} but {len(pubs)} kv_events endpoints; "
+                "give one per dp rank, or one that each rank offsets"
+            )
+        if len(pubs) > 1:
+            return [StreamEndpoint(server_id, 0, 1, pubs[rank], replays[rank] if replays else None)]
+        pub = offset_endpoint_port(pubs[0], rank)
+        replay = offset_endpoint_port(replays[0], rank) if replays else None
+        assert pub is not None
+        return [StreamEndpoint(server_id, 0, 1, pub, replay)]
     return [
         StreamEndpoint(server_id, r, len(pubs), pub, replays[r] if replays else None)
         for r, pub in enumerate(pubs)

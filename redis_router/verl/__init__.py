@@ -45,7 +45,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from .. import validation
+from .. import dp, validation
 from ..client import call
 from ..errors import NoServersAvailable, RedisRouterError
 from ..loader import resolve_config_path, resolve_router_class
@@ -134,7 +134,12 @@ class VerlRouter:
         if not self._owns_pool:
             return
         registered = await call(self._lb.get_all_servers)
-        strangers = [sid for sid in registered if sid not in self._handles]
+        # a rank of a data-parallel replica (redis_router.dp) belongs to its replica
+        strangers = [
+            sid
+            for sid in registered
+            if sid not in self._handles and dp.replica_of(sid)[0] not in self._handles
+        ]
         if strangers:
             await call(self._lb.remove_servers, strangers)
 
