@@ -80,6 +80,26 @@ def test_rl_trade_reports_every_row_and_the_targets(server, capsys):
     assert "agent long tail:" in printed and "GRPO:" in printed and "every option on:" in printed
     assert "x the work bound (target <= 1.05)" in printed
     assert "a floor no placement goes below" in printed
+    assert "agent oracles, every token a replica could hold cached" in printed
+    assert "| prefix-cache, margin 4 |" in printed
+    assert "grpo, the shortest step among the rows at >= 95% of the best hit rate:" in printed
+
+
+def test_rl_oracles_bound_what_balance_and_order_reach():
+    """The pooled oracles replay the rows' workload in virtual time (no Redis), so they are
+    deterministic for a seed: neither ends before the work bound, and on the long-tailed agent
+    workload (seeds 1 and 2, full size) equal sharing stays above the 1.05x target where the
+    clairvoyant order reaches the bound."""
+    from redis_router.tools import simulate_rl
+
+    for seed in (1, 2):
+        for w in ("agent", "grpo"):
+            for first in (False, True):
+                got = simulate_rl.pooled(w, seed, False, first)
+                assert got >= 1.0 - 1e-9
+                assert got == simulate_rl.pooled(w, seed, False, first)
+        assert simulate_rl.pooled("agent", seed, False, False) > 1.1
+        assert simulate_rl.pooled("agent", seed, False, True) < 1.01
 
 
 def test_rl_trade_moves_sessions_only_with_a_margin_or_the_gate(server):
