@@ -8,7 +8,10 @@ repetition runs every contender in turn, in an order rotated per repetition; eve
 the median over the repetitions. Measures:
 
 - ``latency``: added p50/p99 per request with 1 client, against a direct request to a replica
-  through the same client (sync ``http.client``; asyncio: the stdlib keep-alive client).
+  through the same client (sync ``http.client``; asyncio: the stdlib keep-alive client). The
+  library's request is acquire, request, release; the release is queued and answered in the
+  background (sync and asyncio), and once more awaited for its result (asyncio: the round trip
+  a caller that waits for it pays).
 - ``throughput``: 32 concurrent asyncio clients in one process, at 0 and 20 ms service time,
   as a ratio to direct requests in the same repetition.
 - ``balance``: 4 client processes, 8 concurrent requests each (service time drawn per request,
@@ -173,6 +176,7 @@ def _med(xs: list[float]) -> float:
 
 LAT_SYNC_DIRECT = "direct request (sync http.client)"
 LAT_ASYNC_DIRECT = "direct request (asyncio client)"
+LAT_AWAITED = "redis-router asyncio, release awaited"
 
 
 async def _latency(b: Bench) -> list[Row]:
@@ -206,14 +210,27 @@ async def _latency(b: Bench) -> list[Row]:
         try:
             await ac.post(servers[sid], path, body)
         finally:
-            await alb.release_server(sid, rid)
+            alb.release_server(sid, rid)  # queued, answered in the background (as sync's)
+
+    async def arouted_awaited() -> None:
+        rid = uuid.uuid4().hex
+        sid, _ = await alb.acquire_server(rid)
+        try:
+            await ac.post(servers[sid], path, body)
+        finally:
+            await alb.release_server(sid, rid)  # a caller that waits for the result
 
     sync_fns: dict[str, Callable[[], None]] = {LAT_SYNC_DIRECT: direct, "redis-router sync": routed}
     async_fns: dict[str, Callable[[], Any]] = {
         LAT_ASYNC_DIRECT: adirect,
         "redis-router asyncio": arouted,
+        LAT_AWAITED: arouted_awaited,
     }
-    base = {"redis-router sync": LAT_SYNC_DIRECT, "redis-router asyncio": LAT_ASYNC_DIRECT}
+    base = {
+        "redis-router sync": LAT_SYNC_DIRECT,
+        "redis-router asyncio": LAT_ASYNC_DIRECT,
+        LAT_AWAITED: LAT_ASYNC_DIRECT,
+    }
     errors: dict[str, str] = {}
     for label in b.labels("latency"):
         err = b.gateway_error(label)
@@ -310,7 +327,7 @@ async def _throughput(b: Bench) -> list[Row]:
         try:
             await ac.post(servers[sid], path, body)
         finally:
-            await alb.release_server(sid, rid)
+            alb.release_server(sid, rid)  # queued, answered in the background
 
     fns: dict[str, Callable[[], Any]] = {TP_DIRECT: direct, "redis-router asyncio": routed}
     errors: dict[str, str] = {}

@@ -5,6 +5,10 @@ failure rules as `redis-router serve`, without the hop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -13,6 +17,7 @@ import pytest
 
 from redis_router import AsyncRedisLoadBalancer, RedisLoadBalancer
 from redis_router.http import AsyncRouterTransport, RouterTransport
+from redis_router.local_server import LocalServer
 
 from .test_http_serve import CHAT, Procs, register, state, stats, until
 
@@ -222,3 +227,52 @@ def test_serve_and_the_transport_are_one_balancer(server, procs, name, make_lb):
             assert len(where) == 1, where
     snap = state(server, name)
     assert sum(r["sticky_hits"] for r in snap["replicas"].values()) == 6 * 3
+
+
+@pytest.fixture
+def private(binary) -> Iterator[LocalServer]:
+    """A server of this test's own: it will be stopped."""
+    srv = LocalServer(binary).start()
+    try:
+        yield srv
+    finally:
+        if srv.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(srv.pid, signal.SIGCONT)
+        srv.close()
+
+
+def test_closing_a_response_does_not_wait_for_redis(private, procs, name):
+    """The release is queued when the response closes and answered in the background: with
+    the server stopped (SIGSTOP) right after the response arrived, reading and closing it
+    still returns (bounded by the stall, never by it), and once the server goes on the lease
+    ends: the count is back to 0."""
+    replicas = procs.replicas(1)
+    register(private, name, replicas)
+    assert private.pid is not None
+
+    async def main() -> float:
+        async with AsyncRedisLoadBalancer(redis=private.url, name=name) as lb:
+            transport = AsyncRouterTransport(lb)
+            async with httpx.AsyncClient(transport=transport, timeout=30) as client:
+                body = {"model": "m", "prompt": "x", "max_tokens": 1}
+                await client.post("http://router/v1/completions", json=body)  # warm
+                async with client.stream("POST", "http://router/v1/completions", json=body) as resp:
+                    assert resp.status_code == 200
+                    os.kill(private.pid, signal.SIGSTOP)
+                    try:
+                        started = time.monotonic()
+                        await resp.aread()
+                        # (the with block closes the response: its release is queued there)
+                    except BaseException:
+                        os.kill(private.pid, signal.SIGCONT)
+                        raise
+                closed_after = time.monotonic() - started
+                stopped_for = 2.0
+                await asyncio.sleep(stopped_for)  # the release waits in the pipe meanwhile
+                os.kill(private.pid, signal.SIGCONT)
+                assert closed_after < stopped_for
+                return closed_after
+
+    asyncio.run(main())
+    until(lambda: total(private, name) == 0, "the queued release to end the lease")

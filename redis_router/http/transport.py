@@ -11,8 +11,10 @@ The rules are ``redis-router serve``'s (:mod:`redis_router.http.routing`): the s
 from the ``X-Session-ID`` header (or a body field), else the request id from ``X-Request-Id``
 or the body's ``rid``, else a fresh one; the prompt fills the policy's declared fields; a
 malformed generation body is answered 400 without a lease. The lease is held until the
-response is closed (httpx closes it once read; a stream when the ``with`` block ends) and a
-5xx or a broken body releases it as failed; a connection error before the response is
+response is closed (httpx closes it once read; a stream when the ``with`` block ends), and
+the release is queued then, not waited for (the balancer answers it in the background, ahead
+of its later calls, and its ``close()`` waits for it); a 5xx or a broken body releases it as
+failed; a connection error before the response is
 reported as a failure and retried on another replica, up to ``retries`` (a timeout is
 reported and raised as httpx raises it, not retried). A full or empty pool
 is answered 503 with ``Retry-After``, as the server does.
@@ -171,13 +173,13 @@ class AsyncRouterTransport(httpx.AsyncBaseTransport):
                     failed, why = lease, f"replica {lease.server_id!r}: {exc!r}"
                     continue
                 except httpx.TimeoutException:  # it may be working on it: no retry
-                    await lease.fail()
+                    lease.fail()  # queued now, answered in the background
                     raise
                 except httpx.TransportError as exc:
                     failed, why = lease, f"replica {lease.server_id!r}: {exc!r}"
                     continue
                 except BaseException:
-                    await lease.release()
+                    lease.release()  # queued now, answered in the background
                     raise
                 stream = _AsyncLeased(resp.stream, lease, resp.status_code >= 500)
                 return httpx.Response(
@@ -188,7 +190,7 @@ class AsyncRouterTransport(httpx.AsyncBaseTransport):
                 )
         finally:
             if failed is not None:
-                await failed.fail()
+                failed.fail()  # queued now, answered in the background
         return _exhausted(rules.retries, why)
 
     async def _acquire(
@@ -203,7 +205,7 @@ class AsyncRouterTransport(httpx.AsyncBaseTransport):
         try:
             return await acquire(f"{request_id}{RETRY_MARK}{attempt}", **fields)
         finally:
-            await lease.release()
+            lease.release()  # queued now, answered in the background
 
     async def aclose(self) -> None:
         """Close the inner transport (the balancer is the caller's to close)."""
@@ -323,7 +325,9 @@ class _AsyncLeased(httpx.AsyncByteStream):
         try:
             await self._inner.aclose()
         finally:
-            await (self._lease.fail() if self._failed else self._lease.release())
+            # Queued now, ahead of the balancer's later calls, and answered in the background:
+            # closing a response does not wait for Redis (the balancer's close() does).
+            self._lease.fail() if self._failed else self._lease.release()
 
 
 class _Leased(httpx.SyncByteStream):
