@@ -227,15 +227,22 @@ class RedisLoadBalancer:
         """Run a release without waiting for its reply (written at once, read later)."""
         if self._outbox is None:
             return Released.of(self._run(op))
+        self._load_release()
+        return self._outbox.post(op)
+
+    def _load_release(self) -> None:
+        """Load the release script where it must be (Functions) before a release is written
+        directly: done by the first acquire, which waits for Redis anyway, so that the first
+        release does not (a process that releases without acquiring loads it then)."""
         if not self._release_loaded and self._scripts.functions is not None:
             self._release_loaded = True
             self._scripts.preload(self._core.release_script)
-        return self._outbox.post(op)
 
     def _keep_alive(self) -> None:
         """Start the heartbeats (first acquire): from now on this process holds leases."""
         if self._keeper is not None:
             return
+        self._load_release()
         with self._keeper_lock:
             if self._keeper is None:
                 ref = weakref.ref(self)

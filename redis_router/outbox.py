@@ -20,6 +20,7 @@ import atexit
 import collections
 import contextlib
 import logging
+import select
 import threading
 import time
 import weakref
@@ -42,6 +43,8 @@ BOUND = 0.002
 IDLE = 1.0
 # Seconds close() and process exit wait for the replies of written calls.
 DRAIN_TIMEOUT = 5.0
+# Seconds the reader waits at most for a late reply's bytes before it looks again.
+POLL = 0.05
 
 _ERRORS = (rx.RedisError, OSError)
 
@@ -367,7 +370,10 @@ class Outbox:
             self._reader.start()
 
     def _reader_step(self) -> bool:
-        """One wake of the reader; False when it should stop."""
+        """One wake of the reader; False when it should stop. It reads only replies that have
+        arrived and waits for the rest outside the lock: a caller posting a release never
+        waits while Redis takes its time (a pause, a slow script) over an earlier one."""
+        sock = None
         with self._lock:
             if self._closed:
                 return False
@@ -381,11 +387,34 @@ class Outbox:
                     self._wake.wait(BOUND - age)
                     return True
             try:
-                self._drain()
+                self._read_arrived()
             except Exception:  # never let the reader die: the next wake reads again
                 log.exception("redis-router: reading release replies failed")
+            if self._written and self._conn is not None:
+                sock = getattr(self._conn, "_sock", None)
         self._send_again()
+        if sock is not None:
+            with contextlib.suppress(OSError, ValueError):  # closed meanwhile: the next wake sees
+                select.select([sock], [], [], POLL)
         return True
+
+    def _read_arrived(self) -> None:
+        """Read the replies already here; a call unanswered for longer than the client's
+        socket timeout breaks the connection (and is sent again the ordinary way), as a
+        blocking read would have."""
+        while self._written and self._conn is not None:
+            conn = self._conn
+            try:
+                ready = conn.can_read(timeout=0)
+            except _ERRORS:
+                self._broken()
+                return
+            if not ready:
+                timeout = getattr(conn, "socket_timeout", None)
+                if timeout and time.monotonic() - self._written[0].sent > timeout + BOUND:
+                    self._broken()
+                return
+            self._read_one()
 
 
 def _connection(pool: Any) -> Any:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -43,6 +44,21 @@ def test_a_release_returns_before_redis_answers_and_its_result_waits(make_lb, r)
     assert not lb._core.releasing
     assert invariants.check(r, lb.name) == {"s0": 0}
     assert lb.release_server(sid, "x").result() is False  # released twice: a no-op
+
+
+def test_a_release_never_waits_for_the_reply_the_background_reader_is_waiting_for(make_lb, r):
+    """The background reader waits for a late reply without holding the balancer's lock: a
+    release posted meanwhile goes out at once, and the earlier one is still unanswered when it
+    returns (were the post held until the reader had read, it would be answered by then)."""
+    lb = make_lb({"s0": "a"})
+    first, second = lb.acquire("y0"), lb.acquire("y1")
+    _pause(r)
+    ended = first.release()
+    time.sleep(0.2)  # far past the reader's period: it is waiting for that reply now
+    also = second.release()
+    assert not ended.done() and not also.done()  # both posted while Redis is paused
+    assert ended.result() is True and also.result() is True  # after the pause
+    assert invariants.check(r, lb.name) == {"s0": 0}
 
 
 def test_a_release_goes_ahead_of_the_next_acquire_on_a_full_replica(make_lb, r):
