@@ -685,7 +685,10 @@ class AsyncRedisLoadBalancer:
                 continue
             pipe = self._pipe
             handle = functools.partial(self._release_answered, op, call, futures)
-            if pipe is None or not pipe.write_then(call, handle):
+            # Acquires made after these releases, whose batch is written later in this turn
+            # (or early in the next): one socket write for both, the releases first.
+            hold = self._acquires is not None and self._acquires.write_due
+            if pipe is None or not pipe.write_then(call, handle, hold=hold):
                 self._later(self._release_ordinary(op, call, futures))
 
     def _release_answered(

@@ -54,6 +54,8 @@ class Coalescer(Generic[Item, Result]):
         self._flusher: asyncio.Future[None] | None = None
         # A batch written by ``write`` is in flight, or its write is scheduled.
         self._writing = False
+        # Its write is scheduled (a callback of this loop turn or the next).
+        self._due = False
 
     async def submit(self, item: Item) -> Result:
         return await self.put(item)
@@ -66,15 +68,22 @@ class Coalescer(Generic[Item, Result]):
         self._queue.append((item, fut))
         if self._flusher is None and not self._writing:
             if self._write is not None:
-                self._writing = True
+                self._writing = self._due = True
                 loop.call_soon(self._write_next)
             else:
                 self._flusher = asyncio.ensure_future(self._flush())
         return fut
 
+    @property
+    def write_due(self) -> bool:
+        """Whether a batch is about to be written by a callback already scheduled (what is
+        written before it can go out in the same socket write)."""
+        return self._due
+
     def _write_next(self) -> None:
         """Write the next batch with ``write``; when it cannot, the task flusher sends it."""
         assert self._write is not None
+        self._due = False
         batch = self._take()
         if not batch:
             self._writing = False

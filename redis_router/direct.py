@@ -79,6 +79,10 @@ class Pipe:
         self._opening: asyncio.Future[None] | None = None
         self._replies: _Replies | None = None  # the connection's protocol, with hiredis
         self._closed = False
+        # Calls written but held back for the next write of this loop turn (one socket write
+        # for both), or for a callback of the next turn at the latest; their waiters are in
+        # _pending already, in order.
+        self._held: list[bytes] = []
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -89,14 +93,16 @@ class Pipe:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         return future if self._write(call, future) else None
 
-    def write_then(self, call: Call, handle: Callable[[Any], None]) -> bool:
+    def write_then(self, call: Call, handle: Callable[[Any], None], *, hold: bool = False) -> bool:
         """Write the call now and have ``handle`` called with its raw reply (as :meth:`write`'s
         future would hold it) as soon as it is read, by whatever reads it: no task or future
         stands between the reply and its use. False, and ``handle`` is never called, when the
-        pipe cannot write now."""
-        return self._write(call, handle)
+        pipe cannot write now. ``hold``: a caller that knows another write follows in this
+        loop turn has the call go out with it, in one socket write, in order (at the latest
+        from a callback of the next turn)."""
+        return self._write(call, handle, hold)
 
-    def _write(self, call: Call, waiter: _Waiter) -> bool:
+    def _write(self, call: Call, waiter: _Waiter, hold: bool = False) -> bool:
         conn = self._conn
         if conn is None:
             self._open_soon()
@@ -104,11 +110,19 @@ class Pipe:
         command = self._command(call)
         if command is None:
             return False
-        try:
-            conn.write_now(conn.pack_command(*command))
-        except Exception:  # perhaps written: a resend is safe either way
-            self._broken(rx.ConnectionError("the balancer's connection failed"))
-            return False
+        packed = conn.pack_command(*command)
+        if hold:
+            if not self._held:
+                asyncio.get_running_loop().call_soon(self._write_held, conn)
+            self._held += packed
+        else:
+            if self._held:
+                packed, self._held = [*self._held, *packed], []
+            try:
+                conn.write_now(packed)
+            except Exception:  # perhaps written: a resend is safe either way
+                self._broken(rx.ConnectionError("the balancer's connection failed"))
+                return False
         self._pending.append(waiter)
         if self._replies is not None:
             self._replies.written()
@@ -117,6 +131,16 @@ class Pipe:
             if wake is not None and not wake.done():
                 wake.set_result(None)
         return True
+
+    def _write_held(self, conn: Any) -> None:
+        """Write what is still held (no later write of its turn took it along)."""
+        if not self._held or self._conn is not conn:
+            return
+        held, self._held = self._held, []
+        try:
+            conn.write_now(held)
+        except Exception:  # perhaps written: their owners resend them, safely either way
+            self._broken(rx.ConnectionError("the balancer's connection failed"))
 
     @property
     def ready(self) -> bool:
@@ -246,6 +270,7 @@ class Pipe:
         the connection; the next write opens a new one."""
         conn, self._conn = self._conn, None
         self._replies = None
+        self._held = []  # never written: their waiters are failed below, and resent
         pending, self._pending = self._pending, collections.deque()
         for future in pending:
             self._settle(future, exc)
