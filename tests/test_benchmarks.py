@@ -127,8 +127,8 @@ def test_ab_measures_both_trees_and_prints_every_measure():
 def test_script_ab_times_both_versions_call_by_call():
     """``python -m benchmarks.script_ab`` against the commit that added the spread_sessions
     setting to every acquire's arguments (the last change of the arguments the client sends):
-    both versions' scripts run on one server and every script and size gets a finite before,
-    after and ratio."""
+    both versions' scripts run on one server (an A/A run while no script has changed since)
+    and every script and size gets a finite before, after and ratio."""
 
     def git(*args: str) -> str:
         return subprocess.run(
