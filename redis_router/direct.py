@@ -52,6 +52,10 @@ log = logging.getLogger("redis_router")
 _Waiter = asyncio.Future[Any] | Callable[[Any], None]
 
 
+# Seconds a held call waits at most for the write it was to go out with.
+HOLD_AT_MOST = 0.002
+
+
 class Pipe:
     """Script calls written in order on one connection; replies read in order by one task.
 
@@ -80,9 +84,10 @@ class Pipe:
         self._replies: _Replies | None = None  # the connection's protocol, with hiredis
         self._closed = False
         # Calls written but held back for the next write of this loop turn (one socket write
-        # for both), or for a callback of the next turn at the latest; their waiters are in
-        # _pending already, in order.
+        # for both); their waiters are in _pending already, in order. The holder flushes them
+        # (flush_held) when no write follows; a timer does at the latest.
         self._held: list[bytes] = []
+        self._held_timer: asyncio.TimerHandle | None = None
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -98,8 +103,8 @@ class Pipe:
         future would hold it) as soon as it is read, by whatever reads it: no task or future
         stands between the reply and its use. False, and ``handle`` is never called, when the
         pipe cannot write now. ``hold``: a caller that knows another write follows in this
-        loop turn has the call go out with it, in one socket write, in order (at the latest
-        from a callback of the next turn)."""
+        loop turn has the call go out with it, in one socket write, in order; it calls
+        :meth:`flush_held` if none does (a timer writes it within HOLD_AT_MOST at the latest)."""
         return self._write(call, handle, hold)
 
     def _write(self, call: Call, waiter: _Waiter, hold: bool = False) -> bool:
@@ -112,12 +117,14 @@ class Pipe:
             return False
         packed = conn.pack_command(*command)
         if hold:
-            if not self._held:
-                asyncio.get_running_loop().call_soon(self._write_held, conn)
+            if self._held_timer is None:
+                loop = asyncio.get_running_loop()
+                self._held_timer = loop.call_later(HOLD_AT_MOST, self._write_held, conn)
             self._held += packed
         else:
             if self._held:
                 packed, self._held = [*self._held, *packed], []
+                self._stop_held_timer()
             try:
                 conn.write_now(packed)
             except Exception:  # perhaps written: a resend is safe either way
@@ -132,8 +139,19 @@ class Pipe:
                 wake.set_result(None)
         return True
 
+    def flush_held(self) -> None:
+        """Write what is held now (no write followed it)."""
+        if self._held:
+            self._write_held(self._conn)
+
+    def _stop_held_timer(self) -> None:
+        timer, self._held_timer = self._held_timer, None
+        if timer is not None:
+            timer.cancel()
+
     def _write_held(self, conn: Any) -> None:
-        """Write what is still held (no later write of its turn took it along)."""
+        """Write what is still held (no later write took it along)."""
+        self._stop_held_timer()
         if not self._held or self._conn is not conn:
             return
         held, self._held = self._held, []
@@ -271,6 +289,7 @@ class Pipe:
         conn, self._conn = self._conn, None
         self._replies = None
         self._held = []  # never written: their waiters are failed below, and resent
+        self._stop_held_timer()
         pending, self._pending = self._pending, collections.deque()
         for future in pending:
             self._settle(future, exc)
