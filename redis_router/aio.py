@@ -241,7 +241,7 @@ class AsyncRedisLoadBalancer:
     def _make_coalescers(self) -> None:
         if self._coalesce:
             self._acquires = Coalescer(
-                self._acquire_batch, self._release_orphan, self._write_acquires, self._unheld
+                self._acquire_batch, self._release_orphan, self._write_acquires
             )
             self._releases = Coalescer(self._release_batch)
             # None through a Cluster or Sentinel client (connection.direct_pool).
@@ -685,16 +685,8 @@ class AsyncRedisLoadBalancer:
                 continue
             pipe = self._pipe
             handle = functools.partial(self._release_answered, op, call, futures)
-            # Acquires made after these releases, whose batch is written later in this turn
-            # (or early in the next): one socket write for both, the releases first.
-            hold = self._acquires is not None and self._acquires.write_due
-            if pipe is None or not pipe.write_then(call, handle, hold=hold):
+            if pipe is None or not pipe.write_then(call, handle):
                 self._later(self._release_ordinary(op, call, futures))
-
-    def _unheld(self) -> None:
-        """The acquires' scheduled write wrote nothing: releases held for it go alone."""
-        if self._pipe is not None:
-            self._pipe.flush_held()
 
     def _release_answered(
         self, op: Op[list[bool]], call: Call, futures: list[asyncio.Future[bool]], reply: Any

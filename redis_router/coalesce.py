@@ -48,18 +48,12 @@ class Coalescer(Generic[Item, Result]):
         send: Callable[[list[Item]], Awaitable[list[Result | BaseException]]],
         orphan: Callable[[Item, Result], None] | None = None,
         write: Callable[[list[Item], Callable[[Outcomes[Result]], None]], bool] | None = None,
-        unwritten: Callable[[], None] | None = None,
     ) -> None:
         self._send, self._orphan, self._write = send, orphan, write
-        # Called when a scheduled write writes nothing (no caller left, or ``write`` could
-        # not): what was held to go out with it goes alone.
-        self._unwritten = unwritten
         self._queue: list[tuple[Item, asyncio.Future[Result]]] = []
         self._flusher: asyncio.Future[None] | None = None
         # A batch written by ``write`` is in flight, or its write is scheduled.
         self._writing = False
-        # Its write is scheduled (a callback of this loop turn or the next).
-        self._due = False
 
     async def submit(self, item: Item) -> Result:
         return await self.put(item)
@@ -72,39 +66,26 @@ class Coalescer(Generic[Item, Result]):
         self._queue.append((item, fut))
         if self._flusher is None and not self._writing:
             if self._write is not None:
-                self._writing = self._due = True
+                self._writing = True
                 loop.call_soon(self._write_next)
             else:
                 self._flusher = asyncio.ensure_future(self._flush())
         return fut
 
-    @property
-    def write_due(self) -> bool:
-        """Whether a batch is about to be written by a callback already scheduled (what is
-        written before it can go out in the same socket write)."""
-        return self._due
-
     def _write_next(self) -> None:
         """Write the next batch with ``write``; when it cannot, the task flusher sends it."""
         assert self._write is not None
-        self._due = False
         batch = self._take()
         if not batch:
             self._writing = False
-            if self._unwritten is not None:
-                self._unwritten()
             return
         done = functools.partial(self._written, batch)
         try:
             if self._write([item for item, _ in batch], done):
                 return
         except Exception as exc:  # the batch's own failure: its callers get it
-            if self._unwritten is not None:
-                self._unwritten()
             self._written(batch, exc)
             return
-        if self._unwritten is not None:
-            self._unwritten()
         self._writing = False
         self._queue[:0] = batch  # first in line again, for the flusher
         if self._flusher is None:

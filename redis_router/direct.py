@@ -52,10 +52,6 @@ log = logging.getLogger("redis_router")
 _Waiter = asyncio.Future[Any] | Callable[[Any], None]
 
 
-# Seconds a held call waits at most for the write it was to go out with.
-HOLD_AT_MOST = 0.002
-
-
 class Pipe:
     """Script calls written in order on one connection; replies read in order by one task.
 
@@ -83,11 +79,6 @@ class Pipe:
         self._opening: asyncio.Future[None] | None = None
         self._replies: _Replies | None = None  # the connection's protocol, with hiredis
         self._closed = False
-        # Calls written but held back for the next write of this loop turn (one socket write
-        # for both); their waiters are in _pending already, in order. The holder flushes them
-        # (flush_held) when no write follows; a timer does at the latest.
-        self._held: list[bytes] = []
-        self._held_timer: asyncio.TimerHandle | None = None
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -98,16 +89,14 @@ class Pipe:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         return future if self._write(call, future) else None
 
-    def write_then(self, call: Call, handle: Callable[[Any], None], *, hold: bool = False) -> bool:
+    def write_then(self, call: Call, handle: Callable[[Any], None]) -> bool:
         """Write the call now and have ``handle`` called with its raw reply (as :meth:`write`'s
         future would hold it) as soon as it is read, by whatever reads it: no task or future
         stands between the reply and its use. False, and ``handle`` is never called, when the
-        pipe cannot write now. ``hold``: a caller that knows another write follows in this
-        loop turn has the call go out with it, in one socket write, in order; it calls
-        :meth:`flush_held` if none does (a timer writes it within HOLD_AT_MOST at the latest)."""
-        return self._write(call, handle, hold)
+        pipe cannot write now."""
+        return self._write(call, handle)
 
-    def _write(self, call: Call, waiter: _Waiter, hold: bool = False) -> bool:
+    def _write(self, call: Call, waiter: _Waiter) -> bool:
         conn = self._conn
         if conn is None:
             self._open_soon()
@@ -115,21 +104,11 @@ class Pipe:
         command = self._command(call)
         if command is None:
             return False
-        packed = conn.pack_command(*command)
-        if hold:
-            if self._held_timer is None:
-                loop = asyncio.get_running_loop()
-                self._held_timer = loop.call_later(HOLD_AT_MOST, self._write_held, conn)
-            self._held += packed
-        else:
-            if self._held:
-                packed, self._held = [*self._held, *packed], []
-                self._stop_held_timer()
-            try:
-                conn.write_now(packed)
-            except Exception:  # perhaps written: a resend is safe either way
-                self._broken(rx.ConnectionError("the balancer's connection failed"))
-                return False
+        try:
+            conn.write_now(conn.pack_command(*command))
+        except Exception:  # perhaps written: a resend is safe either way
+            self._broken(rx.ConnectionError("the balancer's connection failed"))
+            return False
         self._pending.append(waiter)
         if self._replies is not None:
             self._replies.written()
@@ -138,27 +117,6 @@ class Pipe:
             if wake is not None and not wake.done():
                 wake.set_result(None)
         return True
-
-    def flush_held(self) -> None:
-        """Write what is held now (no write followed it)."""
-        if self._held:
-            self._write_held(self._conn)
-
-    def _stop_held_timer(self) -> None:
-        timer, self._held_timer = self._held_timer, None
-        if timer is not None:
-            timer.cancel()
-
-    def _write_held(self, conn: Any) -> None:
-        """Write what is still held (no later write took it along)."""
-        self._stop_held_timer()
-        if not self._held or self._conn is not conn:
-            return
-        held, self._held = self._held, []
-        try:
-            conn.write_now(held)
-        except Exception:  # perhaps written: their owners resend them, safely either way
-            self._broken(rx.ConnectionError("the balancer's connection failed"))
 
     @property
     def ready(self) -> bool:
@@ -288,8 +246,6 @@ class Pipe:
         the connection; the next write opens a new one."""
         conn, self._conn = self._conn, None
         self._replies = None
-        self._held = []  # never written: their waiters are failed below, and resent
-        self._stop_held_timer()
         pending, self._pending = self._pending, collections.deque()
         for future in pending:
             self._settle(future, exc)
