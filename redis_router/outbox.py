@@ -373,7 +373,7 @@ class Outbox:
         """One wake of the reader; False when it should stop. It reads only replies that have
         arrived and waits for the rest outside the lock: a caller posting a release never
         waits while Redis takes its time (a pause, a slow script) over an earlier one."""
-        sock = None
+        sock, waiting = None, False
         with self._lock:
             if self._closed:
                 return False
@@ -390,12 +390,12 @@ class Outbox:
                 self._read_arrived()
             except Exception:  # never let the reader die: the next wake reads again
                 log.exception("redis-router: reading release replies failed")
-            if self._written and self._conn is not None:
+            waiting = bool(self._written)
+            if waiting and self._conn is not None:
                 sock = getattr(self._conn, "_sock", None)
         self._send_again()
-        if sock is not None:
-            with contextlib.suppress(OSError, ValueError):  # closed meanwhile: the next wake sees
-                select.select([sock], [], [], POLL)
+        if waiting:
+            _wait_readable(sock, POLL)
         return True
 
     def _read_arrived(self) -> None:
@@ -415,6 +415,18 @@ class Outbox:
                     self._broken()
                 return
             self._read_one()
+
+
+def _wait_readable(sock: Any, timeout: float) -> None:
+    """Wait until ``sock`` has bytes to read, ``timeout`` seconds at most (poll: no limit on
+    the descriptor's number, as select has). Without a socket, or one closed meanwhile, a
+    short sleep: the next wake looks again."""
+    try:
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        poller.poll(timeout * 1000)
+    except (OSError, ValueError, TypeError, AttributeError):
+        time.sleep(BOUND)
 
 
 def _connection(pool: Any) -> Any:
