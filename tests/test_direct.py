@@ -5,18 +5,15 @@ the same round trips, and the same recovery when the server stalls or the connec
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import time
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 import redis
 
 from redis_router import AsyncRedisLoadBalancer, RedisUnavailable, direct
-from redis_router.local_server import LocalServer, ServerBinary
 
 from . import invariants
 from .commandstats import script_calls
@@ -31,19 +28,6 @@ def reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     if request.param == "task":
         monkeypatch.setattr(direct, "hiredis", None)
     return str(request.param)
-
-
-@pytest.fixture
-def private(binary: ServerBinary) -> Iterator[LocalServer]:
-    """A server of this test's own: it will be stopped."""
-    srv = LocalServer(binary).start()
-    try:
-        yield srv
-    finally:
-        if srv.pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(srv.pid, signal.SIGCONT)
-        srv.close()
 
 
 def _reads_with(lb: AsyncRedisLoadBalancer) -> str:

@@ -21,7 +21,7 @@ from redis_router import (
     RedisRouterError,
     RedisUnavailable,
 )
-from redis_router.local_server import LocalServer, ServerBinary
+from redis_router.local_server import LocalServer
 
 from . import invariants
 
@@ -36,17 +36,6 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 15.0) -> bool:
             return True
         time.sleep(0.05)
     return predicate()
-
-
-@pytest.fixture
-def private(binary: ServerBinary) -> Iterator[LocalServer]:
-    """A server of this test's own, since the tests stop, fill or reconfigure it."""
-    srv = LocalServer(binary).start()
-    yield srv
-    with contextlib.suppress(OSError):
-        if srv.pid is not None:
-            os.kill(srv.pid, signal.SIGCONT)  # never leave it stopped
-    srv.close()
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ failure rules as `redis-router serve`, without the hop."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import time
@@ -17,7 +16,6 @@ import pytest
 
 from redis_router import AsyncRedisLoadBalancer, RedisLoadBalancer
 from redis_router.http import AsyncRouterTransport, RouterTransport
-from redis_router.local_server import LocalServer
 
 from .test_http_serve import CHAT, Procs, register, state, stats, until
 
@@ -227,19 +225,6 @@ def test_serve_and_the_transport_are_one_balancer(server, procs, name, make_lb):
             assert len(where) == 1, where
     snap = state(server, name)
     assert sum(r["sticky_hits"] for r in snap["replicas"].values()) == 6 * 3
-
-
-@pytest.fixture
-def private(binary) -> Iterator[LocalServer]:
-    """A server of this test's own: it will be stopped."""
-    srv = LocalServer(binary).start()
-    try:
-        yield srv
-    finally:
-        if srv.pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(srv.pid, signal.SIGCONT)
-        srv.close()
 
 
 def test_closing_a_response_does_not_wait_for_redis(private, procs, name):

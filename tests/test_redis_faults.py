@@ -22,6 +22,7 @@ from redis_router.local_server import LocalServer, ServerBinary
 from redis_router.scripts import load
 
 from . import invariants
+from .conftest import own_server
 
 SERVERS = {"s0": "a", "s1": "b"}
 
@@ -30,14 +31,8 @@ SERVERS = {"s0": "a", "s1": "b"}
 def private(binary: ServerBinary) -> Iterator[LocalServer]:
     """A server of this binary of the test's own (it will be stopped, paused or restarted),
     persistent (AOF fsynced on every write) so that a restart keeps every key."""
-    srv = LocalServer(binary, persistent=True).start()
-    try:
+    with own_server(binary, persistent=True) as srv:
         yield srv
-    finally:
-        if srv.pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(srv.pid, signal.SIGCONT)
-        srv.close()
 
 
 @contextlib.contextmanager
