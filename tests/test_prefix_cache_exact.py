@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from redis_router.kv_events import BlockRemoved, KVIndex
+from redis_router.kv_events import BlockRemoved
 from redis_router.plugins.prefix_cache import PrefixCacheRouter, PrefixSettings
 
-from . import invariants
+from . import exact_index, invariants
 from .exact_index import BLOCK, KV_BLOCK, SERVERS, Engine, prompt
 
 _names = itertools.count()
@@ -24,31 +24,14 @@ _names = itertools.count()
 
 @pytest.fixture
 def make_pc(server: Any) -> Iterator[Callable[..., PrefixCacheRouter]]:
-    made: list[PrefixCacheRouter] = []
-
-    def make(**kw: Any) -> PrefixCacheRouter:
-        kw.setdefault("name", "pcx")
-        kw.setdefault("kv_block_size", KV_BLOCK)
-        kw.setdefault("block_size", BLOCK)
-        lb = PrefixCacheRouter(SERVERS, router_kwargs={"redis": server.url, **kw})
-        made.append(lb)
-        return lb
-
-    yield make
-    for lb in made:
-        lb.close()
+    with exact_index.routers(server.url, name="pcx") as make:
+        yield make
 
 
 @pytest.fixture
 def engines(r: Any) -> Callable[..., dict[str, Engine]]:
-    """An exact stream per replica named (an empty first batch: exact, nothing cached)."""
-
     def make(*sids: str, stale: float = 10.0) -> dict[str, Engine]:
-        index = KVIndex(r, "pcx", stale=stale)
-        out = {sid: Engine(index, sid) for sid in sids}
-        for e in out.values():
-            e.publish()
-        return out
+        return exact_index.engines(r, "pcx", sids, stale)
 
     return make
 
