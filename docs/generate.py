@@ -198,25 +198,33 @@ class _Health(BaseHTTPRequestHandler):
         pass
 
 
+@contextmanager
+def _serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[int]:
+    """An HTTP server on a free loopback port, in a thread: its port."""
+    http = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    try:
+        yield http.server_address[1]
+    finally:
+        http.shutdown()
+        http.server_close()
+
+
 @scenario
 def health(url: str) -> Iterator[None]:
     """Two replicas answering their health URL and one whose port nothing listens on."""
-    http = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
-    threading.Thread(target=http.serve_forever, daemon=True).start()
-    port = http.server_address[1]
-    servers = {
-        "vllm-0": {"url": f"http://127.0.0.1:{port}"},
-        "vllm-1": {"url": "http://127.0.0.1:1"},  # port 1: nothing listens
-        "vllm-2": {"url": f"http://127.0.0.1:{port}"},
-    }
-    lb = RedisLoadBalancer(servers, redis=url, name="rollout", eject_after=3)
-    try:
-        lb.acquire("pins-the-settings").release()
-        yield
-    finally:
-        lb.close()
-        http.shutdown()
-        http.server_close()
+    with _serving(_Health) as port:
+        servers = {
+            "vllm-0": {"url": f"http://127.0.0.1:{port}"},
+            "vllm-1": {"url": "http://127.0.0.1:1"},  # port 1: nothing listens
+            "vllm-2": {"url": f"http://127.0.0.1:{port}"},
+        }
+        lb = RedisLoadBalancer(servers, redis=url, name="rollout", eject_after=3)
+        try:
+            lb.acquire("pins-the-settings").release()
+            yield
+        finally:
+            lb.close()
 
 
 # What a vLLM replica (two data-parallel engines) and an SGLang one answer on /metrics.
@@ -258,23 +266,19 @@ class _Metrics(BaseHTTPRequestHandler):
 def engines(url: str) -> Iterator[None]:
     """A vLLM replica with two data-parallel engines, an SGLang one, and one whose port nothing
     listens on, each naming its url (the reporter appends /metrics)."""
-    http = ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
-    threading.Thread(target=http.serve_forever, daemon=True).start()
-    port = http.server_address[1]
-    servers = {
-        "vllm-0": {"url": f"http://127.0.0.1:{port}/vllm"},
-        "vllm-1": {"url": "http://127.0.0.1:1"},  # port 1: nothing listens
-        "sglang-0": {"url": f"http://127.0.0.1:{port}/sglang"},
-    }
-    lb = RedisLoadBalancer(servers, redis=url, name="rollout", rng=random.Random(SEED))
-    try:
-        for s in range(5):
-            lb.acquire(f"session-{s}")
-        yield
-    finally:
-        lb.close()
-        http.shutdown()
-        http.server_close()
+    with _serving(_Metrics) as port:
+        servers = {
+            "vllm-0": {"url": f"http://127.0.0.1:{port}/vllm"},
+            "vllm-1": {"url": "http://127.0.0.1:1"},  # port 1: nothing listens
+            "sglang-0": {"url": f"http://127.0.0.1:{port}/sglang"},
+        }
+        lb = RedisLoadBalancer(servers, redis=url, name="rollout", rng=random.Random(SEED))
+        try:
+            for s in range(5):
+                lb.acquire(f"session-{s}")
+            yield
+        finally:
+            lb.close()
 
 
 @scenario
