@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib.metadata
 import itertools
 import json
@@ -204,27 +205,23 @@ async def _latency(b: Bench) -> list[Row]:
     async def adirect() -> None:
         await ac.post(urls[next(n) % len(urls)], path, body)
 
-    async def arouted() -> None:
+    async def arouted(wait: bool = False) -> None:
         rid = uuid.uuid4().hex
         sid, _ = await alb.acquire_server(rid)
         try:
             await ac.post(servers[sid], path, body)
         finally:
-            alb.release_server(sid, rid)  # queued, answered in the background (as sync's)
-
-    async def arouted_awaited() -> None:
-        rid = uuid.uuid4().hex
-        sid, _ = await alb.acquire_server(rid)
-        try:
-            await ac.post(servers[sid], path, body)
-        finally:
-            await alb.release_server(sid, rid)  # a caller that waits for the result
+            # Queued, answered in the background (as sync's); ``wait``: a caller that waits
+            # for the result.
+            released = alb.release_server(sid, rid)
+            if wait:
+                await released
 
     sync_fns: dict[str, Callable[[], None]] = {LAT_SYNC_DIRECT: direct, "redis-router sync": routed}
     async_fns: dict[str, Callable[[], Any]] = {
         LAT_ASYNC_DIRECT: adirect,
         "redis-router asyncio": arouted,
-        LAT_AWAITED: arouted_awaited,
+        LAT_AWAITED: functools.partial(arouted, True),
     }
     base = {
         "redis-router sync": LAT_SYNC_DIRECT,
