@@ -536,11 +536,7 @@ class AsyncRedisLoadBalancer:
         if pipe is None or not pipe.ready or self._tasks or not _succeeded(self._setup):
             return False
         filled = _with_tokens(items)
-        op = self._core.acquire(
-            [rid for rid, _, _ in filled],
-            [token for _, token, _ in filled],
-            args=[a for _, _, a in filled],
-        )
+        op = self._acquire_op(filled)
         # Releases still in _outgoing were posted after these acquires (those posted before
         # were written by their own callback, scheduled first): they go after, in order.
         call = next(op)
@@ -615,17 +611,22 @@ class AsyncRedisLoadBalancer:
         if self._tasks:  # releases sent the ordinary way (the pipe was not open) go first
             await asyncio.wait(set(self._tasks))
         filled = _with_tokens(items)
-        rids = [rid for rid, _, _ in filled]
-        tokens = [token for _, token, _ in filled]
-        args = [a for _, _, a in filled]
         try:
             # The flusher's own task: its callers' cancellations never reach it (the
             # coalescer releases what a cancelled caller was granted), so it needs no shield.
-            return list(await self._run(self._core.acquire(rids, tokens, args=args), True))
+            return list(await self._run(self._acquire_op(filled), True))
         except NoServersAvailable:
             if len(items) == 1:
                 raise
         return await self._one_by_one(filled)
+
+    def _acquire_op(self, filled: list[_Filled]) -> Op[list[Grant]]:
+        """One acquire call for a batch whose tokens are made."""
+        return self._core.acquire(
+            [rid for rid, _, _ in filled],
+            [token for _, token, _ in filled],
+            args=[a for _, _, a in filled],
+        )
 
     async def _one_by_one(self, items: list[_Filled]) -> list[Grant | BaseException]:
         """A batch is refused whole when one request has nowhere to go; alone, a request
