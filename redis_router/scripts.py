@@ -6,6 +6,15 @@ file name beside it); the loader prepends exactly those, in that order, so there
 of the lease and sticky logic and a script pays only for what it uses. Each assembled script
 is also one Redis Functions library of one function, named after the script and a hash of its
 source (``invoke.py`` sends it with FCALL where the server has Functions, else EVALSHA).
+
+A script sent by EVALSHA defines every function of its parts again on each call, which costs
+more server time than most of its Redis commands (tens of closures made and collected per
+call). A Functions library defines the ``lib/`` parts once, when it is loaded: their
+per-call state, the top-level lines marked ``-- per call``, is declared there and set again
+on entry to each call, in source order (``KEYS[1]``-derived key names, caches, settings
+read from ARGV). Any other top-level ``local`` of a ``lib/`` part must be a literal, which
+the loader checks, so no state outlives its call. A plugin's own parts, and the script
+itself, still run inside the call, as they do under EVALSHA.
 """
 
 from __future__ import annotations
@@ -61,20 +70,70 @@ class Script:
     function: str = ""  # made from name and sha when not given
     read_only: bool = False
     allow_oom: bool = False
+    # The source split for a Functions library (empty: the whole source runs per call):
+    # the lib/ parts, defined once at load, and the rest (plugin parts, the script's text).
+    shared: str = ""
+    body: str = ""
 
     def __post_init__(self) -> None:
         if not self.function:
-            object.__setattr__(self, "function", function_name(self.name, self.sha))
+            sha = self.sha
+            if self.shared:  # the library's shape is part of its version
+                sha = hashlib.sha1(f"{_HOISTED}\n{self.source}".encode()).hexdigest()
+            object.__setattr__(self, "function", function_name(self.name, sha))
 
     def library(self) -> str:
-        """The source as a Functions library: the script runs in a callback whose parameters
-        are named KEYS and ARGV, so the body reads them as it reads EVAL's globals."""
+        """The source as a Functions library. With ``shared`` parts, those are defined once
+        at load and each call first sets KEYS, ARGV and the parts' per-call state; else the
+        whole source runs in a callback whose parameters are named KEYS and ARGV, so the body
+        reads them as it reads EVAL's globals."""
         flags = "'no-writes'" if self.read_only else "'allow-oom'" if self.allow_oom else ""
+        head = f"#!lua name={self.function}\n"
+        register = f"redis.register_function{{function_name='{self.function}', flags={{{flags}}}, "
+        if not self.shared:
+            return f"{head}{register}callback=function(KEYS, ARGV)\n{self.source}\nend}}\n"
+        declared, resets = hoist(self.shared)
+        enter = "\n".join(resets)
         return (
-            f"#!lua name={self.function}\n"
-            f"redis.register_function{{function_name='{self.function}', flags={{{flags}}}, "
-            f"callback=function(KEYS, ARGV)\n{self.source}\nend}}\n"
+            f"{head}local KEYS, ARGV\n{declared}\n"
+            f"local function {_HOISTED}(keys, argv)\nKEYS, ARGV = keys, argv\n{enter}\nend\n"
+            f"{register}callback=function(keys, argv)\n{_HOISTED}(keys, argv)\n"
+            f"{self.body}\nend}}\n"
         )
+
+
+_HOISTED = "rr_enter_call"
+# A top-level declaration of a lib/ part: names, values, and the trailing comment if any.
+_TOP_LOCAL = re.compile(r"^local (?!function\b)([A-Za-z_][\w, ]*?)\s*=\s*(.*?)\s*(--.*)?$")
+_CONSTANT = re.compile(r"^(-?\d+(\.\d+)?|'[^']*'|\"[^\"]*\")$")
+
+
+def hoist(shared: str) -> tuple[str, list[str]]:
+    """The lib/ parts as a library's top level: each line marked ``-- per call`` becomes a
+    bare declaration, and its assignment a statement run on entry to each call (returned in
+    source order). A top-level ``local`` that is neither marked nor a literal constant is
+    refused: defined once, it would carry one call's state into the next (and a library's
+    load sees no standard library: ``string.format`` too is taken per call)."""
+    out, resets = [], []
+    for line in shared.splitlines():
+        m = _TOP_LOCAL.match(line)
+        if m is None:
+            if line.startswith("local ") and not line.startswith("local function "):
+                raise ValueError(f"lib/ top-level line not of one line's form: {line!r}")
+            out.append(line)
+            continue
+        names, values, comment = m.group(1), m.group(2), m.group(3) or ""
+        if comment.startswith("-- per call"):
+            out.append(f"local {names}")
+            resets.append(f"{names} = {values}")
+        elif all(_CONSTANT.match(v.strip()) for v in values.split(",")):
+            out.append(line)
+        else:
+            raise ValueError(
+                f"lib/ top-level state must be marked '-- per call' (set on each call) or be "
+                f"a constant: {line!r}"
+            )
+    return "\n".join(out), resets
 
 
 # Scripts that end leases, or keep live ones alive, must run during a noeviction out-of-memory
@@ -127,7 +186,7 @@ def from_source(name: str, text: str, here: Path | None = None) -> Script:
     uses = _USES.search(text)
     if uses is None:
         raise ValueError(f"script {name!r} has no '-- Uses' header line naming its parts")
-    parts = []
+    parts, shared = [], []
     refs = [r.strip() for r in uses.group(1).split(",")]
     for needed, before in _IMPLIED.items():  # parts a named part cannot do without
         if before in refs and needed not in refs:
@@ -137,11 +196,14 @@ def from_source(name: str, text: str, here: Path | None = None) -> Script:
         part = folder / f"{ref}.lua" if folder is not None else None
         if part is None or not part.is_file():
             raise FileNotFoundError(f"script {name!r} uses {ref!r}, which does not exist")
-        parts.append(part.read_text())
-    source = "\n".join([*parts, text])
+        (shared if ref.startswith("lib/") and not parts else parts).append(part.read_text())
+    source = "\n".join([*shared, *parts, text])
     sha = hashlib.sha1(source.encode()).hexdigest()
     read_only = _READ_ONLY.search(text) is not None
-    return Script(name, source, sha, "", read_only, name in ALLOW_OOM and not read_only)
+    allow_oom = name in ALLOW_OOM and not read_only
+    lib = "\n".join(shared)
+    hoist(lib)  # refuses a lib/ part whose state would outlive a call
+    return Script(name, source, sha, "", read_only, allow_oom, lib, "\n".join([*parts, text]))
 
 
 def function_name(name: str, sha: str) -> str:

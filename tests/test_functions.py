@@ -132,6 +132,35 @@ def test_the_server_chooses_the_path_and_the_environment_can_force_evalsha(serve
         RedisLoadBalancer(SERVERS, redis=server.url, name="bad-mode")
 
 
+def test_the_shared_parts_are_defined_once_and_their_state_set_on_every_call():
+    """A library defines the lib/ parts at load: marked state is declared there and assigned
+    on entry, in order; unmarked state is refused, whichever script would carry it."""
+    declared, resets = scripts.hoist(
+        "local P = KEYS[1] -- per call\nlocal LIMIT = 9\nlocal A, B = {}, P .. 'x' -- per call\n"
+        "local function f() return A end"
+    )
+    assert declared.splitlines() == [
+        "local P",
+        "local LIMIT = 9",
+        "local A, B",
+        "local function f() return A end",
+    ]
+    assert resets == ["P = KEYS[1]", "A, B = {}, P .. 'x'"]
+    for state in ("local CACHE = {}", "local N = nil -- a count", "local F = string.format"):
+        with pytest.raises(ValueError, match="must be marked '-- per call'"):
+            scripts.hoist(state)
+    acquire = scripts.load("acquire")
+    library = acquire.library()
+    assert acquire.shared and "local function acquire_all" in library.split("register_function")[0]
+    assert "rr_enter_call(keys, argv)" in library and acquire.function != scripts.function_name(
+        "acquire", acquire.sha
+    )  # a library of the other shape is another version
+    # A plugin's own parts stay in the call, as under EVALSHA: only lib/ ones are shared.
+    prefix = next(s for s in plugin_scripts() if s.name == "prefix_cache")
+    assert prefix.body.startswith("-- prefix_cache_index.lua") and "-- lib/" not in prefix.body
+    assert "-- lib/acquiring.lua" in prefix.shared
+
+
 def test_two_versions_of_a_script_load_side_by_side(r):
     if not has_functions(r):
         pytest.skip("Redis 6.2 has no Functions (EVALSHA scripts are addressed by hash anyway)")
@@ -314,7 +343,13 @@ def _outcome(call: Any) -> Any:
 def test_fcall_and_evalsha_give_identical_results_on_random_sequences(server, r, monkeypatch, seed):
     if not has_functions(r):
         pytest.skip("Redis 6.2 has no Functions: nothing to compare EVALSHA with")
+    # Odd seeds turn on the options whose state lives in other parts of the shared Lua
+    # (defined once per Functions library, set again on each call): a call must not see the
+    # last one's.
     options: dict[str, Any] = {"eject_after": 2, "lease_ttl": 600.0, "affinity_margin": 2}
+    if seed % 2:
+        options = {"lease_ttl": 600.0, "spread_sessions": True, "engine_scoring": True}
+        options |= {"affinity_ratio": 1.5, "group_cap": 2}
     pool = {**SERVERS, "cap": {"capacity": 2}}
     # Lease tokens and release ids are entropy, as the tie-break is: made in the same order on
     # both sides, each side's n-th one is the same.

@@ -15,15 +15,15 @@ end
 -- sessions is re-pinned by the policy when that replica's in-flight count exceeds the least
 -- loaded one's by more than MARGIN requests and is above RATIO times it (taken as at least 1);
 -- both when both are set. Counted per replica left in P.."repins".
-local MARGIN, RATIO = nil, nil
+local MARGIN, RATIO = nil, nil -- per call
 -- Eviction-aware stickiness (sticky_min_cached, a share in (0, 1]; nil = off), an option of
 -- a policy that reads an index of what the replicas' caches hold: a sticky turn whose replica
 -- no longer holds that share of the prompt (policy.evicted(i, old, share)) is placed anew by
 -- the policy, as a new session would be, and counted as a re-pin when it leaves.
-local MINCACHED = nil
+local MINCACHED = nil -- per call
 -- HOLD: ejected_sticky = 'wait' (the pinned ejection settings' last field): a sticky session
 -- whose replica is ejected is refused (EJECTED) instead of balanced anew, and waits for it.
-local HOLD = false
+local HOLD = false -- per call
 
 -- True when the sticky replica `old` (in P.."load") is too far above the least loaded.
 local function overloaded(old)
@@ -52,7 +52,7 @@ end
 -- none of them: state is group id -> { id, n (members in a row), b (its bucket) }, read once
 -- per script, and the writes go at the end (flush), so a batch and one request at a time end
 -- the same.
-local CAP, GROUPS = nil, nil
+local CAP, GROUPS = nil, nil -- per call
 
 local function groups(cur, span, width, ttl)
   if GROUPS then return GROUPS end

@@ -9,7 +9,7 @@
 -- new sessions again.
 -- CAPS: set by an acquire (one EXISTS per call) while some replica declares a capacity;
 -- TICKET: the waiting ticket that acquire serves (ARGV[12]) while someone waits.
-local CAPS, TICKET, ADMIT = false, nil, nil
+local CAPS, TICKET, ADMIT = false, nil, nil -- per call
 
 -- The procedures, made on first use: each local function costs its making on every script
 -- call, so a script that needs none (a release, or an acquire in a pool with no capacity, no

@@ -49,9 +49,9 @@
 -- owned set, every owned token is a lease, and a holder leaves P.."holders" only once it owns
 -- nothing, so no lease is ever out of reach of reaping.
 
-local P = KEYS[1]
+local P = KEYS[1] -- per call
 local SEP = '\31'
-local LOAD = P .. 'load'
+local LOAD = P .. 'load' -- per call
 -- ARGV[1..HEAD] of every acquire: lease ttl (ms), sticky bucket width (ms), sticky ttl (ms),
 -- buckets to search back, router flag, holder, affinity margin (in-flight requests, "" = off),
 -- affinity ratio ("" = off), group cap (members, "" = none), group_by (pinned only),
@@ -66,7 +66,7 @@ local OWN = 4
 -- tostring and the server's "%.17g" both go through printf for doubles), against ~0.03 us
 -- for int() below. So the acquire and release paths pass integers through int(), constants
 -- as strings, and a batch groups per replica the writes that do not depend on order.
-local fmt = string.format
+local fmt = string.format -- per call (a library's load sees no standard library)
 local function int(n) return fmt('%d', n) end
 
 local function now_ms()

@@ -10,7 +10,7 @@
 --   P.."ejections"  HASH  id -> ejections in a row, id..SEP.."t" -> when the last one ends;
 --                         a replica not ejected for `max` ms starts again at base
 --   P.."failures"   HASH  id -> failures reported (a counter, for status)
-local STREAKS, HEALTH = nil, nil -- STREAKS: whether P.."fails" exists, read once per call
+local STREAKS, HEALTH = nil, nil -- per call; STREAKS: whether P.."fails" exists
 
 -- The procedures, made on first use (as lib/leases.lua's admit): a release that reports
 -- nothing makes none of them.

@@ -8,7 +8,7 @@
 -- (LL.batch) a level of at most LEVEL_MAX replicas is also read whole, in rank order, and
 -- picks index it instead of asking ZRANGE for each rank. Only acquire_all changes `load`
 -- during an acquire, so the cache stays exact.
-local LL = {}
+local LL = {} -- per call
 local LEVEL_MAX = 128
 
 -- Replicas read by load_peek: a level of up to PEEK - 1 tied replicas (a whole pool of 8, or
@@ -68,7 +68,7 @@ end
 -- made again from the live buckets' per-replica counts (P.."stickyn:"..b): once per bucket
 -- width (sticky_ttl / 4), O(replicas with sessions x buckets). SEAT = { lo, cur, d } is set by
 -- acquire_all; pinning() makes the procedures on a script's first tie.
-local SEAT, PINNING = nil, nil
+local SEAT, PINNING = nil, nil -- per call
 local SEATS_MAX = 8 -- tied replicas whose pinned sessions one pick compares
 
 local function pinning()

@@ -14,8 +14,8 @@
 -- acquire builds it, every count change, report and stale report keeps it).
 -- The procedures are made on the first engine-aware use (scoring()), so a call on counts
 -- alone makes none of them: it pays for ENGINE and this one function only.
-local ENGINE = nil -- { ttl = ms, w = kv weight, ceil = permille or nil } while engine-aware
-local SCORING = nil
+local ENGINE = nil -- per call; { ttl = ms, w = kv weight, ceil = permille or nil } while engine-aware
+local SCORING = nil -- per call
 
 local function scoring()
   if SCORING then return SCORING end
