@@ -186,7 +186,8 @@ def from_source(name: str, text: str, here: Path | None = None) -> Script:
     uses = _USES.search(text)
     if uses is None:
         raise ValueError(f"script {name!r} has no '-- Uses' header line naming its parts")
-    parts, shared = [], []
+    parts: list[str] = []
+    shared: list[str] = []
     refs = [r.strip() for r in uses.group(1).split(",")]
     for needed, before in _IMPLIED.items():  # parts a named part cannot do without
         if before in refs and needed not in refs:
