@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -189,11 +190,35 @@ def test_script_ab_runs_a_revision_with_the_same_scripts_as_an_a_a_comparison():
         timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "the same scripts: an A/A run" in done.stdout.splitlines()[0]
+    assert "the same acquire and release: A/A" in done.stdout.splitlines()[0]
     rows = {" ".join(line.split()[:2]): line.split()[2:] for line in done.stdout.splitlines()[3:]}
     assert set(rows) == {f"{s} x1" for s in ("acquire", "release", "pair", "wall")}
     for values in rows.values():
         assert len(values) == 6 and all(math.isfinite(float(v)) and float(v) > 0 for v in values)
+
+
+def test_pair_profile_names_every_stage_of_both_scripts_and_its_commands():
+    """``python -m benchmarks.pair_profile``: each stage of the acquire and of the release gets
+    a finite cumulative time, the last being the whole script, and the commands it adds (the
+    pick's count, the lease record, the lease ending), counted by the server."""
+    from benchmarks import pair_profile
+
+    binary = next((b for b in find_server_binaries() if b.version_tuple >= (7,)), None)
+    assert binary is not None, "no server binary with Functions found"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.pair_profile", "--calls", "20", "--rounds", "1",
+         "--server-bin", binary.path],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    for stages in (pair_profile.ACQUIRE, pair_profile.RELEASE):
+        for stage, _ in stages:
+            row = re.compile(rf"^  {re.escape(stage)} +(\S+) +[+-]")
+            (cumulative,) = [float(m.group(1)) for ln in lines if (m := row.match(ln))]
+            assert math.isfinite(cumulative) and cumulative > 0
+    text = done.stdout
+    assert "ZINCRBY" in text and "HSETNX" in text and "HDEL" in text
 
 
 def test_server_bin_may_be_a_link_whose_target_runs_as_named(tmp_path, monkeypatch):

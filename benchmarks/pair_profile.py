@@ -1,0 +1,191 @@
+"""``python -m benchmarks.pair_profile [--calls N] [--rounds R] [--server-bin PATH]``
+
+Where the Redis time of one acquire + release pair goes, stage by stage. The acquire (a new
+session, one request, the default policy) and the release (as ``Lease.release`` sends it: the
+request id and its token) are each loaded as a series of Redis Functions libraries, one per
+stage, each returning at once where the next stage would start; the last is the unchanged
+script. Every variant runs ``calls`` times per round, rounds interleaved; the server's own
+``INFO commandstats`` gives the time per call (the FCALL's, which includes the commands it
+makes) and the Redis commands each stage adds. Printed per stage: the median over rounds of
+the cumulative time, what the stage adds to the stage before, and its commands per call.
+
+This checkout's scripts, by FCALL (Redis 7+ or Valkey): the cut points are lines of
+``lua/lib/acquiring.lua`` and ``lua/release.lua``; one that is no longer there stops the run
+and names the stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import random
+import statistics
+import sys
+import uuid
+from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+import redis
+
+from redis_router import RedisLoadBalancer, scripts
+from redis_router.local_server import LocalServer
+from redis_router.scripts import Script
+
+from .__main__ import _binary
+
+REPLICAS = 8
+# (stage, the line it starts at): a variant returns just before that line.
+ACQUIRE = (
+    ("the call: arguments, per-call state, policy table", "  local lease_ms, width, ttl ="),
+    ("clock and holder heartbeat", "  if ARGV[14] == '1' then\n"),
+    ("settings, admission check", "  if #ARGV == HEAD + stride then\n"),
+    ("retry check (lease by token)", "  local old, ob\n"),
+    ("sticky lookup, every live bucket", "  -- A sticky replica is counted where it is"),
+    ("least-loaded pick and count", "  if ENGINE then redis.call('ZADD', P .. 'escore'"),
+    ("lease records and request index", "  if not (ob == cur and old == id) then\n    if ob then"),
+    ("sticky entry, session count", "  redis.call('HINCRBY', P .. 'acquires', id, '1')\n"),
+    ("counters, replica metadata, reply", None),
+)
+RELEASE = (
+    ("the call: arguments, per-call state", "local ended, unowned = nil, nil\n"),
+    ("lease lookup by token", "  local sid = end_lease(token, rec, toks, unowned)\n"),
+    ("end_lease: record, index, holder, counts", "  if ended then\n    ended[#ended + 1]"),
+    ("resend record, health, reply", None),
+)
+
+
+def variants(script: Script, stages: tuple[tuple[str, str | None], ...]) -> list[Script]:
+    """One library per stage, returning where the next stage starts (the last: unchanged)."""
+    out = []
+    for k, (stage, line) in enumerate(stages):
+        shared, body = script.shared, script.body
+        if line is not None:
+            cut = "  do return 1 end\n" + line
+            if line in shared:
+                shared = shared.replace(line, cut, 1)
+            elif line in body:
+                body = body.replace(line, cut, 1)
+            else:
+                raise SystemExit(f"stage {stage!r}: its line is no longer in {script.name}.lua")
+        source = f"{shared}\n{body}"
+        sha = hashlib.sha1(source.encode()).hexdigest()
+        out.append(
+            replace(
+                script,
+                name=f"{script.name}_{k}",
+                source=source,
+                sha=sha,
+                function="",
+                shared=shared,
+                body=body,
+            )
+        )
+    return out
+
+
+def timed(r: redis.Redis, run: Callable[[], None]) -> tuple[float, dict[str, float]]:
+    """µs per FCALL and Redis commands per FCALL, of ``run``'s calls."""
+    r.config_resetstat()
+    run()
+    stats = r.info("commandstats")
+    fcall = stats["cmdstat_fcall"]
+    calls = fcall["calls"]
+    inner = {
+        k.removeprefix("cmdstat_").upper(): v["calls"] / calls
+        for k, v in stats.items()
+        if k not in ("cmdstat_fcall", "cmdstat_config", "cmdstat_info")
+    }
+    return float(fcall["usec_per_call"]), inner
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.pair_profile", description=__doc__)
+    ap.add_argument("--calls", type=int, default=2000, help="calls per variant and round")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    ap.add_argument("--server-bin", help="redis-server / valkey-server to start (7+)")
+    args = ap.parse_args(argv)
+    binary = _binary(args.server_bin)
+    acquires = variants(scripts.load("acquire"), ACQUIRE)
+    releases = variants(scripts.load("release"), RELEASE)
+    rng = random.Random(1)
+    times: dict[str, list[float]] = {s.name: [] for s in acquires + releases}
+    inner: dict[str, dict[str, float]] = {}
+    with LocalServer(binary) as server:
+        r = redis.Redis.from_url(server.url)
+        try:
+            r.function_list()
+        except redis.ResponseError:
+            raise SystemExit(
+                f"{binary.label} has no Redis Functions: pass a 7+ or Valkey server"
+            ) from None
+        lb = RedisLoadBalancer({f"s{i}": f"http://h{i}" for i in range(REPLICAS)}, redis=server.url)
+        lb.acquire("warm").release()
+        core = lb._core
+        head, prefix = core._acquire_head, core.prefix
+        for s in acquires + releases:
+            r.function_load(s.library(), replace=True)
+        full_acquire, full_release = acquires[-1], releases[-1]
+
+        def acquire(fn: str, rid: str) -> tuple[str, str]:
+            token = uuid.uuid4().hex
+            got = r.fcall(fn, 1, prefix, *head, rid, token, rng.getrandbits(31), "")
+            return (got[0].decode() if isinstance(got, list) else ""), token
+
+        def release(fn: str, held: list[tuple[str, str, str]]) -> None:
+            for sid, rid, token in held:
+                r.fcall(fn, 1, prefix, sid, rid, token, uuid.uuid4().hex)
+
+        for rnd in range(args.rounds):
+            for s in acquires:  # new sessions: a request id never seen
+                rids = [f"a{rnd}.{s.name}.{i}" for i in range(args.calls)]
+                made: list[tuple[str, str, str]] = []
+
+                def run(
+                    fn: str = s.function, rids: list[str] = rids, made: list[Any] = made
+                ) -> None:
+                    for rid in rids:
+                        sid, token = acquire(fn, rid)
+                        if sid:
+                            made.append((sid, rid, token))
+
+                us, inner[s.name] = timed(r, run)
+                times[s.name].append(us)
+                release(full_release.function, made)
+            for s in releases:
+                held: list[tuple[str, str, str]] = []
+                for i in range(args.calls):
+                    rid = f"r{rnd}.{s.name}.{i}"
+                    sid, token = acquire(full_acquire.function, rid)
+                    held.append((sid, rid, token))
+                us, inner[s.name] = timed(r, partial(release, s.function, held))
+                times[s.name].append(us)
+                release(full_release.function, held)  # what a cut variant left
+        lb.close()
+    print(
+        f"{binary.label}; {args.calls} calls per variant, {args.rounds} interleaved rounds, "
+        "medians; µs of Redis time per call (INFO commandstats)"
+    )
+    width = 2 + max(len(stage) for stage, _ in ACQUIRE + RELEASE)
+    print(f"{'stage':{width}s} {'cumul.':>8s} {'adds':>7s}  commands the stage adds, per call")
+    for label, vs, stages in (("acquire", acquires, ACQUIRE), ("release", releases, RELEASE)):
+        prev, seen = 0.0, dict[str, float]()
+        print(label)
+        for s, (stage, _) in zip(vs, stages, strict=True):
+            m = statistics.median(times[s.name])
+            cmds = inner[s.name]
+            added = {
+                c: n - seen.get(c, 0.0) for c, n in cmds.items() if n - seen.get(c, 0.0) > 0.05
+            }
+            seen = cmds
+            what = ", ".join(
+                f"{c}" if abs(n - 1) < 0.05 else f"{c} x{n:.1f}" for c, n in added.items()
+            )
+            print(f"  {stage:{width - 2}s} {m:8.1f} {m - prev:+7.1f}  {what}")
+            prev = m
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
