@@ -72,7 +72,8 @@ def test_rl_trade_reports_every_row_and_the_targets(server, capsys):
     checked, not only its structure."""
     assert simulate.main(["--rl", "--quick", "--redis", server.url]) == 0
     printed = capsys.readouterr().out
-    for row in ("sticky only", "global gate 2/1.5", "margin 2", "groups, cap 8", "prefix-cache"):
+    for row in ("sticky only", "global gate 2/1.5", "margin 2", "groups, cap 8", "prefix-cache",
+                "margin 1, engines prioritise long sessions"):  # fmt: skip
         assert f"| {row} |" in printed
     assert "step time (s)" in printed and "re-prefilled tokens" in printed
     assert "/ work bound" in printed and "each row the mean of seeds 1-4" in printed
@@ -100,6 +101,30 @@ def test_rl_oracles_bound_what_balance_and_order_reach():
                 assert got == simulate_rl.pooled(w, seed, False, first)
         assert simulate_rl.pooled("agent", seed, False, False) > 1.1
         assert simulate_rl.pooled("agent", seed, False, True) < 1.01
+
+
+def test_rl_engines_that_prioritise_long_sessions_serve_them_first():
+    """The engine-priority row's rates: on one replica a long session's request runs at decode
+    speed and the short ones share what is left; without priority all share equally; no
+    replica ever does more than its capacity."""
+    from redis_router.tools import simulate_rl as sim
+
+    long_turns = [(1, 1)] * sim.LONG_TURNS
+    todo = [
+        sim.Session(f"s{k}", f"s{k}", long_turns if k == 0 else [(1, 1)], 0.0) for k in range(4)
+    ]
+    running: dict[int, list[object]] = {k: ["r0", 10.0, 0] for k in range(4)}
+    counts, kv = {"r0": 4, "r1": 0}, {"r0": 0, "r1": 0}
+    fair = sim._rates(running, todo, counts, kv, False)
+    first = sim._rates(running, todo, counts, kv, True)
+    assert fair == dict.fromkeys(range(4), sim.CAPACITY / 4)
+    assert first[0] == sim.PER_REQUEST
+    assert first[1] == first[2] == first[3] == pytest.approx((sim.CAPACITY - sim.PER_REQUEST) / 3)
+    assert sum(first.values()) == pytest.approx(sim.CAPACITY)
+    kv["r0"] = 2 * sim.KV_TOKENS  # past its KV memory the whole replica slows down alike
+    assert sum(sim._rates(running, todo, counts, kv, True).values()) == pytest.approx(
+        sim.CAPACITY / 2
+    )
 
 
 def test_rl_trade_moves_sessions_only_with_a_margin_or_the_gate(server):

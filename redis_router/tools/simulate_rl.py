@@ -78,7 +78,18 @@ ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     # The balance floor of routing at acquire time: every turn to the least loaded replica
     # unless its own is tied with it (margin 0), no groups.
     ("no affinity", "least-loaded", {"affinity_margin": 0}),
+    # Not a router option: engines that schedule by request priority (vLLM's
+    # --scheduling-policy priority and the request's "priority" field), the harness giving a
+    # session it knows to be long (a task kind, ENGINE_PRIORITY) the higher one. A replica's
+    # capacity goes to those requests first, each at most at decode speed, then to the rest.
+    (
+        "margin 1, engines prioritise long sessions",
+        "least-loaded",
+        {"affinity_margin": 1, "engine_priority": True},
+    ),
 )
+# The harness's hint for ENGINE_PRIORITY: a session with at least this many turns is long.
+LONG_TURNS = 16
 
 
 @dataclass
@@ -154,7 +165,8 @@ def run_row(url: str, workload: str, row: str, router: str, opts: dict[str, Any]
     servers = {f"r{i}": None for i in range(REPLICAS)}
     name = f"rl-{secrets.token_hex(3)}"
     gate = opts if router == "gate" else None
-    kw = {} if gate else opts
+    kw = {} if gate else {k: v for k, v in opts.items() if k != "engine_priority"}
+    priority = bool(opts.get("engine_priority"))
     if router == "prefix-cache":
         from ..plugins.prefix_cache import PrefixCacheRouter
 
@@ -188,14 +200,10 @@ def run_row(url: str, workload: str, row: str, router: str, opts: dict[str, Any]
             kv = {sid: 0 for sid in servers}
             for k, (rep, _, _) in running.items():
                 kv[rep] += len(todo[k].context)
-            rates = {
-                sid: min(PER_REQUEST, CAPACITY / c) * min(1.0, KV_TOKENS / max(kv[sid], 1))
-                if c
-                else 0.0
-                for sid, c in counts.items()
-            }
+            rate = _rates(running, todo, counts, kv, priority)
             t_done = min(
-                (now + left / rates[rep] for rep, left, _ in running.values()), default=None
+                (now + job[1] / rate[k] for k, job in running.items() if rate[k] > 0),
+                default=None,
             )
             t_ready = ready[0][0] if ready else None
             t_next = min(t for t in (t_done, t_ready) if t is not None)
@@ -204,8 +212,8 @@ def run_row(url: str, workload: str, row: str, router: str, opts: dict[str, Any]
             if finished >= tail_from and total >= REPLICAS and dt > 0:
                 tail_time += dt
                 tail_weighted += dt * max(counts.values()) / (total / REPLICAS)
-            for job in running.values():
-                job[1] -= dt * rates[job[0]]
+            for k, job in running.items():
+                job[1] -= dt * rate[k]
             now = t_next
             for k in [k for k, job in running.items() if job[1] <= 1e-9]:
                 rep, _, turn = running.pop(k)
@@ -263,6 +271,38 @@ def run_row(url: str, workload: str, row: str, router: str, opts: dict[str, Any]
         if work_total
         else float("nan"),
     )
+
+
+def _rates(
+    running: dict[int, list[Any]],
+    todo: list[Session],
+    counts: dict[str, int],
+    kv: dict[str, int],
+    priority: bool,
+) -> dict[int, float]:
+    """Each running request's work units per second: its replica's CAPACITY shared equally
+    (each at most PER_REQUEST), slowed while the replica's contexts exceed KV_TOKENS; with
+    ``priority`` the long sessions' requests take their share first and the rest share what
+    is left."""
+    slow = {sid: min(1.0, KV_TOKENS / max(n, 1)) for sid, n in kv.items()}
+    if not priority:
+        return {
+            k: min(PER_REQUEST, CAPACITY / counts[rep]) * slow[rep]
+            for k, (rep, _, _) in running.items()
+        }
+    first: dict[str, list[int]] = {sid: [] for sid in counts}
+    then: dict[str, list[int]] = {sid: [] for sid in counts}
+    for k, (rep, _, _) in running.items():
+        (first if len(todo[k].turns) >= LONG_TURNS else then)[rep].append(k)
+    out: dict[int, float] = {}
+    for sid in counts:
+        left = CAPACITY * slow[sid]
+        for jobs in (first[sid], then[sid]):
+            if jobs:
+                share = min(PER_REQUEST * slow[sid], left / len(jobs))
+                out.update(dict.fromkeys(jobs, share))
+                left -= share * len(jobs)
+    return out
 
 
 def _gap(seed: int, session: int, turn: int) -> float:
