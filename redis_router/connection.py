@@ -395,10 +395,10 @@ def _connect(url: str, scheme: str, asyncio: bool) -> Any:
 
 
 def _packing(client: Any, asyncio: bool) -> Any:
-    """An asyncio client whose connections pack commands in C (see packing.py); a sync
-    client's already do."""
-    if asyncio:
-        pack_in_c(client.connection_pool)
+    """A client whose connections pack script calls with hiredis directly (see packing.py)."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        pack_in_c(pool, asyncio=asyncio)
     return client
 
 

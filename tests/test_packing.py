@@ -1,5 +1,5 @@
-"""The balancer's own asyncio clients pack commands in C (hiredis), byte for byte as redis-py's
-Python packer does, and change nothing else about their connections."""
+"""The balancer's own clients, asyncio and sync, pack commands in C (hiredis), byte for byte
+as redis-py's Python packer does, and change nothing else about their connections."""
 
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ import asyncio
 from typing import Any
 
 import pytest
+import redis
+import redis.connection
 from redis.asyncio import connection as aconn
 from redis.exceptions import DataError
 from redis.utils import HIREDIS_AVAILABLE
 
 from redis_router import AsyncRedisLoadBalancer
 from redis_router.connection import connect
-from redis_router.packing import pack_in_c, packed_in_c
+from redis_router.packing import pack_in_c, packed_in_c, packed_sync
 
 from . import invariants
 
@@ -30,7 +32,7 @@ ARGS: list[tuple[Any, ...]] = [
     (b"SCRIPT LOAD", "return 1"),  # two words as bytes, split as well
 ]
 # Packing in C is hiredis's; [test] and [hiredis] install it, and the balancer works without it
-# (test_asyncio_clients_get_it_sync_clients_already_have_it checks that case).
+# (test_asyncio_and_sync_clients_get_it checks that case).
 needs_hiredis = pytest.mark.skipif(not HIREDIS_AVAILABLE, reason="packing in C needs hiredis")
 
 
@@ -43,6 +45,8 @@ def _python(*args: Any) -> bytes:
 def test_packs_exactly_as_redis_py_does(args: tuple[Any, ...]) -> None:
     packed = packed_in_c(aconn.Connection)()
     assert b"".join(packed.pack_command(*args)) == _python(*args)
+    by_sync = packed_sync(redis.connection.Connection)()
+    assert b"".join(by_sync.pack_command(*args)) == _python(*args)
 
 
 @needs_hiredis
@@ -52,6 +56,8 @@ def test_refuses_what_redis_py_refuses(bad: Any) -> None:
         aconn.Connection().pack_command("GET", bad)
     with pytest.raises(DataError):
         packed_in_c(aconn.Connection)().pack_command("GET", bad)
+    with pytest.raises(DataError):
+        packed_sync(redis.connection.Connection)().pack_command("GET", bad)
 
 
 @pytest.mark.parametrize(
@@ -62,12 +68,14 @@ def test_refuses_what_redis_py_refuses(bad: Any) -> None:
         ("unix:///tmp/nowhere.sock", aconn.UnixDomainSocketConnection),
     ],
 )
-def test_asyncio_clients_get_it_sync_clients_already_have_it(url: str, base: type) -> None:
+def test_asyncio_and_sync_clients_get_it(url: str, base: type) -> None:
     made = connect(url, asyncio=True).connection_pool.connection_class
     assert made is not base and issubclass(made, base) and made.writes_without_task
     assert made.packs_in_c is HIREDIS_AVAILABLE  # without hiredis redis-py packs
+    sync_base = getattr(redis.connection, base.__name__)
     sync = connect(url).connection_pool.connection_class
-    assert not getattr(sync, "packs_in_c", False)  # redis-py's sync packer is hiredis already
+    assert issubclass(sync, sync_base) and not getattr(sync, "writes_without_task", False)
+    assert getattr(sync, "packs_in_c", False) is HIREDIS_AVAILABLE
 
 
 def test_applying_twice_changes_nothing_more() -> None:
