@@ -80,7 +80,7 @@ ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("no affinity", "least-loaded", {"affinity_margin": 0}),
     # Not a router option: engines that schedule by request priority (vLLM's
     # --scheduling-policy priority and the request's "priority" field), the harness giving a
-    # session it knows to be long (a task kind, ENGINE_PRIORITY) the higher one. A replica's
+    # session it knows to be long (a task kind; LONG_TURNS here) the higher one. A replica's
     # capacity goes to those requests first, each at most at decode speed, then to the rest.
     (
         "margin 1, engines prioritise long sessions",
@@ -88,7 +88,7 @@ ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         {"affinity_margin": 1, "engine_priority": True},
     ),
 )
-# The harness's hint for ENGINE_PRIORITY: a session with at least this many turns is long.
+# The harness's hint for "engine_priority": a session with at least this many turns is long.
 LONG_TURNS = 16
 
 
@@ -284,23 +284,18 @@ def _rates(
     (each at most PER_REQUEST), slowed while the replica's contexts exceed KV_TOKENS; with
     ``priority`` the long sessions' requests take their share first and the rest share what
     is left."""
-    slow = {sid: min(1.0, KV_TOKENS / max(n, 1)) for sid, n in kv.items()}
-    if not priority:
-        return {
-            k: min(PER_REQUEST, CAPACITY / counts[rep]) * slow[rep]
-            for k, (rep, _, _) in running.items()
-        }
     first: dict[str, list[int]] = {sid: [] for sid in counts}
     then: dict[str, list[int]] = {sid: [] for sid in counts}
     for k, (rep, _, _) in running.items():
-        (first if len(todo[k].turns) >= LONG_TURNS else then)[rep].append(k)
+        long = priority and len(todo[k].turns) >= LONG_TURNS
+        (first if long else then)[rep].append(k)
     out: dict[int, float] = {}
     for sid in counts:
-        left = CAPACITY * slow[sid]
+        slow, left = min(1.0, KV_TOKENS / max(kv[sid], 1)), CAPACITY
         for jobs in (first[sid], then[sid]):
             if jobs:
-                share = min(PER_REQUEST * slow[sid], left / len(jobs))
-                out.update(dict.fromkeys(jobs, share))
+                share = min(PER_REQUEST, left / len(jobs))
+                out.update(dict.fromkeys(jobs, share * slow))
                 left -= share * len(jobs)
     return out
 
