@@ -113,7 +113,9 @@ def hoist(shared: str) -> tuple[str, list[str]]:
     bare declaration, and its assignment a statement run on entry to each call (returned in
     source order). A top-level ``local`` that is neither marked nor a literal constant is
     refused: defined once, it would carry one call's state into the next (and a library's
-    load sees no standard library: ``string.format`` too is taken per call)."""
+    load sees no standard library: ``string.format`` too is taken per call). A ``nil`` marked
+    ``-- once per library`` is kept as it is: a cache of procedures made on first use, which
+    keep a call's state only in per-call variables, so every later call reuses them."""
     out, resets = [], []
     for line in shared.splitlines():
         m = _TOP_LOCAL.match(line)
@@ -126,7 +128,9 @@ def hoist(shared: str) -> tuple[str, list[str]]:
         if comment.startswith("-- per call"):
             out.append(f"local {names}")
             resets.append(f"{names} = {values}")
-        elif all(_CONSTANT.match(v.strip()) for v in values.split(",")):
+        elif _kept_once(values, comment) or all(
+            _CONSTANT.match(v.strip()) for v in values.split(",")
+        ):
             out.append(line)
         else:
             raise ValueError(
@@ -134,6 +138,11 @@ def hoist(shared: str) -> tuple[str, list[str]]:
                 f"a constant: {line!r}"
             )
     return "\n".join(out), resets
+
+
+def _kept_once(values: str, comment: str) -> bool:
+    """A cache of procedures made on first use (``local X = nil -- once per library``)."""
+    return values == "nil" and comment.startswith("-- once per library")
 
 
 # Scripts that end leases, or keep live ones alive, must run during a noeviction out-of-memory

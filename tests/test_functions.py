@@ -146,9 +146,16 @@ def test_the_shared_parts_are_defined_once_and_their_state_set_on_every_call():
         "local function f() return A end",
     ]
     assert resets == ["P = KEYS[1]", "A, B = {}, P .. 'x'"]
-    for state in ("local CACHE = {}", "local N = nil -- a count", "local F = string.format"):
+    for state in (
+        "local CACHE = {}",
+        "local N = nil -- a count",
+        "local F = string.format",
+        "local T = {} -- once per library",  # only a nil, filled with procedures on first use
+    ):
         with pytest.raises(ValueError, match="must be marked '-- per call'"):
             scripts.hoist(state)
+    kept = "local PROCS = nil -- once per library: procedures"
+    assert scripts.hoist(kept) == (kept, [])
     acquire = scripts.load("acquire")
     library = acquire.library()
     assert acquire.shared and "local function acquire_all" in library.split("register_function")[0]
@@ -337,6 +344,80 @@ def _outcome(call: Any) -> Any:
         return call()
     except (NoCapacity, NoServersAvailable) as exc:
         return type(exc).__name__
+
+
+def test_procedures_made_once_per_library_act_on_each_callers_keys(server, r, monkeypatch):
+    """Capacity, ejection and engine scoring make their procedures once per Functions library
+    and reuse them in every later call, whichever balancer makes it: each balancer's calls
+    must still read and write its own keys, never those of the balancer that made them."""
+    if not has_functions(r):
+        pytest.skip("Redis 6.2 has no Functions: every call makes its procedures")
+    monkeypatch.setenv(ENV, "auto")
+    names = [f"once-{k}-{random.randrange(1 << 30):x}" for k in range(2)]
+    lbs = [
+        RedisLoadBalancer(
+            {"full": {"capacity": 1}, "spare": None},
+            redis=server.url,
+            name=name,
+            eject_after=1,
+            engine_scoring=True,
+            wait_timeout=0,
+        )
+        for name in names
+    ]
+    try:
+        for lb in lbs:  # each in turn: fill "full", eject "spare", then nothing is left
+            held = [lb.acquire(f"{lb.name}-{k}") for k in range(2)]
+            assert sorted(x.server_id for x in held) == ["full", "spare"]
+            held[[x.server_id for x in held].index("spare")].fail().result()
+            with pytest.raises(NoCapacity):
+                lb.acquire(f"{lb.name}-more")
+            p = f"rr:{{{lb.name}}}:"
+            assert set(r.zrange(p + "off", 0, -1)) == {"full", "spare"}
+            assert r.zrange(p + "ejected", 0, -1) == ["spare"]
+            assert set(r.zrange(p + "escore", 0, -1)) == {"full", "spare"}
+            invariants.check(r, lb.name)
+        for lb in lbs:
+            lb.destroy()
+        assert not list(r.scan_iter(match="rr:{once-*"))
+    finally:
+        for lb in lbs:
+            lb.close()
+
+
+def test_spread_procedures_made_once_per_library_read_each_callers_pins(server, r, monkeypatch):
+    """spread_sessions' tie-break is made once per Functions library too: each balancer must
+    count its own pinned sessions, whichever balancer's call made it."""
+    if not has_functions(r):
+        pytest.skip("Redis 6.2 has no Functions: every call makes its procedures")
+    monkeypatch.setenv(ENV, "auto")
+    tag = f"{random.randrange(1 << 30):x}"
+    pool = {"r1": None, "r2": None}
+    a, b = (
+        RedisLoadBalancer(pool, redis=server.url, name=f"pins-{k}-{tag}", spread_sessions=True)
+        for k in "ab"
+    )
+    try:
+        # a pins four sessions on r1, b four on r2 (the other replica drained meanwhile).
+        for lb, full, other in ((a, "r1", "r2"), (b, "r2", "r1")):
+            lb.drain_servers([other])
+            for k in range(4):
+                lease = lb.acquire(f"{lb.name}-old{k}")
+                assert lease.server_id == full
+                lease.release().result()
+            lb.undrain_servers([other])
+        # Counts tie (every lease released): each new session goes where its own balancer
+        # pins fewest, so a's go to r2 and b's to r1, turn after turn.
+        for _ in range(2):
+            for lb, emptier in ((a, "r2"), (b, "r1")):
+                for k in range(2):
+                    lease = lb.acquire(f"{lb.name}-new{random.randrange(1 << 30)}")
+                    assert lease.server_id == emptier
+                    lease.release().result()
+    finally:
+        for lb in (a, b):
+            lb.destroy()
+            lb.close()
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -9,15 +9,17 @@
 -- new sessions again.
 -- CAPS: set by an acquire (one EXISTS per call) while some replica declares a capacity;
 -- TICKET: the waiting ticket that acquire serves (ARGV[12]) while someone waits.
-local CAPS, TICKET, ADMIT = false, nil, nil -- per call
+local CAPS, TICKET = false, nil -- per call
+local OFF = P .. 'off' -- per call
+local ADMIT = nil -- once per library: the procedures below, which hold no state of a call
 
 -- The procedures, made on first use: each local function costs its making on every script
 -- call, so a script that needs none (a release, or an acquire in a pool with no capacity, no
 -- ejection due and nobody waiting) makes none; lib/leases.lua's end_lease reaches them only
--- for a replica in neither `load` nor `draining`.
+-- for a replica in neither `load` nor `draining`. A Functions library makes them once.
 local function admit()
   if ADMIT then return ADMIT end
-  local M, OFF = {}, P .. 'off'
+  local M = {}
 
   function M.capacity_of(id)
     local c = redis.call('HGET', P .. 'capacity', id)

@@ -10,7 +10,8 @@
 --   P.."ejections"  HASH  id -> ejections in a row, id..SEP.."t" -> when the last one ends;
 --                         a replica not ejected for `max` ms starts again at base
 --   P.."failures"   HASH  id -> failures reported (a counter, for status)
-local STREAKS, HEALTH = nil, nil -- per call; STREAKS: whether P.."fails" exists
+local STREAKS = nil -- per call; whether P.."fails" exists
+local HEALTH = nil -- once per library: the procedures below, which hold no state of a call
 
 -- The procedures, made on first use (as lib/leases.lua's admit): a release that reports
 -- nothing makes none of them.

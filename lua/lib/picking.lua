@@ -67,8 +67,10 @@ end
 -- takes its entries with it, so when "@" is not the oldest live bucket (SEAT.lo) the hash is
 -- made again from the live buckets' per-replica counts (P.."stickyn:"..b): once per bucket
 -- width (sticky_ttl / 4), O(replicas with sessions x buckets). SEAT = { lo, cur, d } is set by
--- acquire_all; pinning() makes the procedures on a script's first tie.
-local SEAT, PINNING = nil, nil -- per call
+-- acquire_all; pinning() makes the procedures on a script's first tie (a Functions library
+-- on its first tie ever: they keep no state of a call but in SEAT and LL).
+local SEAT = nil -- per call
+local PINNING = nil -- once per library: the procedures below, which hold no state of a call
 local SEATS_MAX = 8 -- tied replicas whose pinned sessions one pick compares
 
 local function pinning()

@@ -13,22 +13,27 @@
 -- extra, for every replica of the pool (I12, while the key exists: the first engine-aware
 -- acquire builds it, every count change, report and stale report keeps it).
 -- The procedures are made on the first engine-aware use (scoring()), so a call on counts
--- alone makes none of them: it pays for ENGINE and this one function only.
+-- alone makes none of them: it pays for ENGINE and this one function only. They keep a call's
+-- state in the per-call variables below, never in upvalues of their own, so a Functions
+-- library makes them once and every later call reuses them (SCORING is kept across calls
+-- there; under EVALSHA each call starts without them).
 local ENGINE = nil -- per call; { ttl = ms, w = kv weight, ceil = permille or nil } while engine-aware
-local SCORING = nil -- per call
+local ESCORE, EEXTRA = P .. 'escore', P .. 'eextra' -- per call
+-- least_tokens ranks tokens in flight: its scores (P.."wscore", beside P.."weighted") add the
+-- same extra valued in tokens (P.."wextra"): the extra times the replica's tokens per lease at
+-- the report (else the pool's; 1 when no lease is weighed). I12 holds for them as for escore.
+local WSCORE, WEXTRA = P .. 'wscore', P .. 'wextra' -- per call
+-- P.."escore" / P.."wscore" known to exist in this call; every report's extra applied.
+local SCORED, WSCORED, EXTRAS = false, false, false -- per call
+local POOL_TPL = nil -- per call; tokens per lease over the pool, read once
+-- Added to a replica at or above the KV ceiling: every replica below it scores lower.
+local PAST = 1000000000
+-- Replicas read at once when picking; a level that fills them is read whole.
+local EPEEK = 16
+local SCORING = nil -- once per library: the procedures, which hold no state of a call
 
 local function scoring()
   if SCORING then return SCORING end
-  local ESCORE, EEXTRA = P .. 'escore', P .. 'eextra'
-  -- least_tokens ranks tokens in flight: its scores (P.."wscore", beside P.."weighted") add the
-  -- same extra valued in tokens (P.."wextra"): the extra times the replica's tokens per lease at
-  -- the report (else the pool's; 1 when no lease is weighed). I12 holds for them as for escore.
-  local WSCORE, WEXTRA = P .. 'wscore', P .. 'wextra'
-  -- Added to a replica at or above the KV ceiling: every replica below it scores lower.
-  local PAST = 1000000000
-  -- Replicas read at once when picking; a level that fills them is read whole.
-  local EPEEK = 16
-  local SCORED = false -- P.."escore" is known to exist in this call
 
   local function engine_setting(s)
     if not s or s == '' then return nil end
@@ -63,7 +68,6 @@ local function scoring()
 
   -- Tokens per lease: id's own (its weighed leases' tokens over its count), else the pool's, else
   -- 1 (read once per script).
-  local POOL_TPL = nil
   local function tokens_per_lease(id)
     local w = tonumber(redis.call('ZSCORE', P .. 'weighted', id)) or 0
     local c = tonumber(redis.call('ZSCORE', LOAD, id) or redis.call('ZSCORE', P .. 'draining', id)
@@ -104,7 +108,6 @@ local function scoring()
   -- Every replica's extra from its report, once per call: before scores are made (the first
   -- engine-aware pick, or after a key was lost), as reports written before scoring was
   -- pinned set none.
-  local EXTRAS = false
   local function extras_from_reports(now)
     if EXTRAS then return end
     EXTRAS = true
@@ -148,7 +151,6 @@ local function scoring()
 
   -- least_tokens' scores: tokens in flight plus the extra in tokens, made from P.."weighted" the
   -- first time an engine-aware least_tokens picks (or after the key was lost).
-  local WSCORED = false
   local function wscored()
     if WSCORED then return end
     WSCORED = true
