@@ -53,6 +53,7 @@ def verify_sync(client: redis.Redis, k: int) -> bool:
     same = got == want and lbs[0].get_status()["servers"] == lbs[1].get_status()["servers"]
     for lb in lbs:
         lb.destroy()
+        lb.close()
     return same
 
 
@@ -70,6 +71,7 @@ async def verify_async(client: redis.asyncio.Redis, k: int) -> bool:
     )
     for lb in lbs:
         await lb.destroy()
+        await lb.close()
     return same
 
 
@@ -91,8 +93,9 @@ def run_sync(client: redis.Redis, sizes: Sizes) -> Row:
         if r:
             t_batch.append(t1 - t0)
             t_single.append(t2 - t1)
-        batch.destroy()
-        single.destroy()
+        for lb in (batch, single):
+            lb.destroy()
+            lb.close()
     return _row("batch_sync", "sync", k, t_batch, t_single, ok)
 
 
@@ -116,8 +119,9 @@ async def _run_async(client: redis.asyncio.Redis, sizes: Sizes) -> Row:
         if r:
             t_batch.append(t1 - t0)
             t_single.append(t2 - t1)
-        await batch.destroy()
-        await single.destroy()
+        for alb in (batch, single):
+            await alb.destroy()
+            await alb.close()
     return _row("batch_async", "async", k, t_batch, t_single, ok)
 
 

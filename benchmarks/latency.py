@@ -94,6 +94,7 @@ def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
         plain_spent += server_time(client, pair8, sizes.block)
     for lb in (small, large, grouped, capped, ejecting, scored):
         lb.destroy()
+        lb.close()  # no heartbeats left to find their holder gone after later steps
     return [
         Row(
             "pair_vs_noop",

@@ -71,6 +71,7 @@ def measure_router(client: redis.Redis, n: int) -> tuple[float, float, float]:
     status = lb.get_status()
     assert status["sticky_sessions"] == n, status["sticky_sessions"]
     lb.destroy()
+    lb.close()
     return (
         (sticky_only - before) / n,
         (with_leases - sticky_only) / n,

@@ -3,7 +3,10 @@
 A process holding a lease on each of 4096 replicas stops sending heartbeats (as a SIGKILL
 would stop them). Once lease_ttl has passed, the script calls that reclaim its leases
 (acquires 2 each, the keeper's heartbeat and reap calls 8 each) run while every other client
-waits: none may be much slower than an ordinary acquire.
+waits: none may be much slower than an ordinary acquire. The slowest of N calls is set by the
+tail of every call on a shared machine (a descheduled server, a Lua collection step), and
+grows with N, so it is compared with the slowest of as many ordinary acquires, timed right
+after on the same server; the medians are in the row's note.
 """
 
 from __future__ import annotations
@@ -48,11 +51,7 @@ def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
         for _ in range(50):  # warm: scripts loaded, keys created
             rid = uuid.uuid4().hex
             survivor.release_server(survivor.acquire_server(rid)[0], rid)
-        client.slowlog_reset()
-        for _ in range(pairs):
-            rid = uuid.uuid4().hex
-            survivor.release_server(survivor.acquire_server(rid)[0], rid)
-        normal = statistics.median(_durations(client)["acquire"])
+        _acquire_times(client, survivor, pairs)
         for lo in range(0, REPLICAS, 1000):
             crashed.acquire_many([uuid.uuid4().hex for _ in range(min(1000, REPLICAS - lo))])
         assert crashed._keeper is not None
@@ -64,24 +63,40 @@ def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
             rid = uuid.uuid4().hex
             survivor.release_server(survivor.acquire_server(rid)[0], rid)
         after = _durations(client)
+        ordinary = _acquire_times(client, survivor, len(after["acquire"]))
     finally:
         client.config_set("slowlog-log-slower-than", old["slowlog-log-slower-than"])
         client.config_set("slowlog-max-len", old["slowlog-max-len"])
         survivor.destroy()
         survivor.close()
-    worst = max(after["acquire"])
+    worst, usual = max(after["acquire"]), max(ordinary)
     others = {k: max(v) for k, v in after.items() if k != "acquire"}
+    medians = statistics.median(after["acquire"]), statistics.median(ordinary)
     return [
         Row(
             "reap_slowest_acquire",
             f"slowest acquire while {REPLICAS} dead leases are reclaimed",
             worst / 1e6,
             "s",
-            baseline="median acquire (SLOWLOG)",
-            baseline_value=normal / 1e6,
-            ratio=worst / normal,
+            baseline=f"slowest of {len(ordinary)} ordinary",
+            baseline_value=usual / 1e6,
+            ratio=worst / usual,
             target=("<=", 3.0),
-            note=f"{len(after['acquire'])} acquires; slowest other calls (us): "
+            note=f"{len(after['acquire'])} acquires, median {medians[0]:.0f} us (ordinary "
+            f"{medians[1]:.0f} us); slowest other calls (us): "
             + ", ".join(f"{k} {v}" for k, v in sorted(others.items())),
         )
     ]
+
+
+def _acquire_times(client: redis.Redis, lb: RedisLoadBalancer, n: int) -> list[int]:
+    """Microseconds of each acquire of ``n`` acquire+release pairs, by SLOWLOG (read every
+    few hundred pairs: the log also holds each command a script runs)."""
+    out: list[int] = []
+    for lo in range(0, n, 500):
+        client.slowlog_reset()
+        for _ in range(min(500, n - lo)):
+            rid = uuid.uuid4().hex
+            lb.release_server(lb.acquire_server(rid)[0], rid)
+        out += _durations(client).get("acquire", [])
+    return out
