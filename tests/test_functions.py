@@ -408,10 +408,10 @@ def test_spread_procedures_made_once_per_library_read_each_callers_pins(server, 
             lb.undrain_servers([other])
         # Counts tie (every lease released): each new session goes where its own balancer
         # pins fewest, so a's go to r2 and b's to r1, turn after turn.
-        for _ in range(2):
+        for turn in range(2):
             for lb, emptier in ((a, "r2"), (b, "r1")):
                 for k in range(2):
-                    lease = lb.acquire(f"{lb.name}-new{random.randrange(1 << 30)}")
+                    lease = lb.acquire(f"{lb.name}-new{turn}-{k}")
                     assert lease.server_id == emptier
                     lease.release().result()
     finally:
