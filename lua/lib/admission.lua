@@ -10,7 +10,7 @@
 -- CAPS: set by an acquire (one EXISTS per call) while some replica declares a capacity;
 -- TICKET: the waiting ticket that acquire serves (ARGV[12]) while someone waits.
 local CAPS, TICKET = false, nil -- per call
-local OFF = P .. 'off' -- per call
+local OFF = nil -- per call; P.."off", named by admit() on a call's first use
 local ADMIT = nil -- once per library: the procedures below, which hold no state of a call
 
 -- The procedures, made on first use: each local function costs its making on every script
@@ -18,6 +18,7 @@ local ADMIT = nil -- once per library: the procedures below, which hold no state
 -- ejection due and nobody waiting) makes none; lib/leases.lua's end_lease reaches them only
 -- for a replica in neither `load` nor `draining`. A Functions library makes them once.
 local function admit()
+  OFF = OFF or P .. 'off'
   if ADMIT then return ADMIT end
   local M = {}
 

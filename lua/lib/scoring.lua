@@ -18,11 +18,12 @@
 -- library makes them once and every later call reuses them (SCORING is kept across calls
 -- there; under EVALSHA each call starts without them).
 local ENGINE = nil -- per call; { ttl = ms, w = kv weight, ceil = permille or nil } while engine-aware
-local ESCORE, EEXTRA = P .. 'escore', P .. 'eextra' -- per call
+-- Key names, made by scoring() on a call's first use (a call on counts alone makes none).
+local ESCORE, EEXTRA = nil, nil -- per call
 -- least_tokens ranks tokens in flight: its scores (P.."wscore", beside P.."weighted") add the
 -- same extra valued in tokens (P.."wextra"): the extra times the replica's tokens per lease at
 -- the report (else the pool's; 1 when no lease is weighed). I12 holds for them as for escore.
-local WSCORE, WEXTRA = P .. 'wscore', P .. 'wextra' -- per call
+local WSCORE, WEXTRA = nil, nil -- per call
 -- P.."escore" / P.."wscore" known to exist in this call; every report's extra applied.
 local SCORED, WSCORED, EXTRAS = false, false, false -- per call
 local POOL_TPL = nil -- per call; tokens per lease over the pool, read once
@@ -33,6 +34,10 @@ local EPEEK = 16
 local SCORING = nil -- once per library: the procedures, which hold no state of a call
 
 local function scoring()
+  if not ESCORE then
+    ESCORE, EEXTRA = P .. 'escore', P .. 'eextra'
+    WSCORE, WEXTRA = P .. 'wscore', P .. 'wextra'
+  end
   if SCORING then return SCORING end
 
   local function engine_setting(s)
