@@ -41,7 +41,6 @@ def _durations(client: redis.Redis) -> dict[str, list[int]]:
 
 
 def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
-    pairs = max(200, sizes.block)
     survivor = RedisLoadBalancer(servers(REPLICAS), redis=client, name="bench-reap", lease_ttl=5)
     crashed = RedisLoadBalancer(redis=client, name="bench-reap", lease_ttl=LEASE_TTL)
     old = client.config_get("slowlog-*")
@@ -51,7 +50,6 @@ def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
         for _ in range(50):  # warm: scripts loaded, keys created
             rid = uuid.uuid4().hex
             survivor.release_server(survivor.acquire_server(rid)[0], rid)
-        _acquire_times(client, survivor, pairs)
         for lo in range(0, REPLICAS, 1000):
             crashed.acquire_many([uuid.uuid4().hex for _ in range(min(1000, REPLICAS - lo))])
         assert crashed._keeper is not None
