@@ -40,6 +40,6 @@ for _, token in ipairs(overdue) do
     redis.call('ZREM', owned, token)
   end
 end
-rotate_ended(now, tonumber(ARGV[5]))
+rotate_released(now, tonumber(ARGV[5]))
 local reclaimed, examined = reap(horizon, budget)
 return { known and 0 or 1, reclaimed, examined, overdue }

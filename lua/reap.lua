@@ -10,7 +10,7 @@
 --          a holder unheard only during a pause of Redis is on probation, not dead.
 -- Uses     lib/base, lib/admission, lib/leases
 local now = now_ms()
-rotate_ended(now, tonumber(ARGV[2]))
+rotate_released(now, tonumber(ARGV[2]))
 local horizon, till, listen = liveness(now, tonumber(ARGV[3]))
 local reclaimed, examined = reap(horizon, tonumber(ARGV[1]))
 local limbo = 0

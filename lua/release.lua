@@ -8,7 +8,7 @@
 --          ended it (a resend after a timeout), 0 if there was none (released twice,
 --          reclaimed, unknown or removed replica: a harmless no-op, I6).
 -- Keeps    I1 (count -1 with its lease, never below 0), I2, I6, I10, I11. Safe to resend: the
---          operation id is remembered in P.."ended" (rotated by heartbeat.lua), so a second
+--          operation id is remembered in P.."released" (rotated by heartbeat.lua), so a second
 --          copy reports the first one's result and never ends another lease.
 -- Which    With a token, that lease (the token decides the replica). With a request id, the
 --          oldest lease of that request on that replica; with neither, the oldest lease on
@@ -22,11 +22,11 @@
 --          ends the replica's failure streak.
 -- Uses     lib/base, lib/admission, lib/leases, lib/health
 -- In a batch, the writes every release makes that commute are grouped for the end of the
--- call: the operation ids remembered (one HSET) and the leases leaving their holders' sets
+-- call: the operation ids remembered (one SADD) and the leases leaving their holders' sets
 -- (one ZREM per holder). Nothing between reads them: a copy of the same call is another
 -- script call. A single release writes them at once (no tables to make).
-local ended, unowned = nil, nil
-if #ARGV > 4 then ended, unowned = {}, {} end
+local done, unowned = nil, nil
+if #ARGV > 4 then done, unowned = {}, {} end
 
 local function release(id, req, token, op)
   local rec, toks
@@ -44,10 +44,10 @@ local function release(id, req, token, op)
     if field and string.sub(rec, 1, #field) ~= field then rec = nil end
     if not rec then
       -- Not a lease (any more): ended by an earlier copy of this call, or by another.
-      if was_ended(op) then return 1 end
+      if was_released(op) then return 1 end
       if not hinted then return 0 end
     end
-  elseif was_ended(op) then
+  elseif was_released(op) then
     return 1
   end
   if not rec then
@@ -61,10 +61,10 @@ local function release(id, req, token, op)
     if not token then return 0 end
   end
   local sid = end_lease(token, rec, toks, unowned)
-  if ended then
-    ended[#ended + 1], ended[#ended + 2] = op, '1'
+  if done then
+    done[#done + 1] = op
   else
-    redis.call('HSET', P .. 'ended', op, '1')
+    redis.call('SADD', P .. 'released', op)
   end
   released(sid, op)
   return token
@@ -74,8 +74,8 @@ local out = {}
 for i = 1, #ARGV, 4 do
   out[#out + 1] = release(ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
 end
-if ended then
-  if #ended > 0 then flat_call('HSET', P .. 'ended', ended) end
+if done then
+  if #done > 0 then flat_call('SADD', P .. 'released', done) end
   for holder, toks in pairs(unowned) do flat_call('ZREM', P .. 'owned:' .. holder, toks) end
 end
 return out

@@ -7,6 +7,7 @@ balancer drives it with blocking calls, the asyncio one with awaits; nothing els
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import os
@@ -199,21 +200,23 @@ def fields_per_request(n: int, fields: Mapping[str, Any]) -> list[Mapping[str, A
 class _Entropy:
     """os.urandom read 4 KiB at a time: a token costs a slice of a buffer, not a system call
     (~4 us here), on the path of every acquire and release. A forked child drops what it
-    inherited, so no two processes ever hand out the same bytes."""
+    inherited, so no two processes ever hand out the same bytes. ``width`` characters of
+    ``encode``d text carry ``unit`` random bytes."""
 
     SIZE = 4096
 
-    def __init__(self) -> None:
+    def __init__(self, encode: Callable[[bytes], str], unit: int, width: int) -> None:
+        self._encode, self._unit, self._width = encode, unit, width
         self._lock = threading.Lock()
-        self._buf = ""
-        self._at = 0
+        self._buf, self._at = "", 0
 
-    def hex(self, n: int) -> str:
-        """16 * n hex digits never handed out before."""
-        need = 16 * n
+    def text(self, n: int) -> str:
+        """n ids' worth of characters never handed out before."""
+        need = self._width * n
         with self._lock:
             if self._at + need > len(self._buf):
-                self._buf, self._at = os.urandom(max(self.SIZE, 8 * n)).hex(), 0
+                raw = os.urandom(max(self.SIZE // self._unit, n) * self._unit)
+                self._buf, self._at = self._encode(raw), 0
             at = self._at
             self._at = at + need
             return self._buf[at : at + need]
@@ -223,13 +226,21 @@ class _Entropy:
         self._buf, self._at = "", 0
 
 
-_entropy = _Entropy()
-os.register_at_fork(after_in_child=_entropy.forget)
+def _base64url(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).decode()
+
+
+# Tokens: 16 hex digits (64 bits). Operation ids: 12 base64url characters (72 bits), short
+# enough that Redis keeps each remembered release in its smallest string allocation.
+_tokens = _Entropy(bytes.hex, 8, 16)
+_operations = _Entropy(_base64url, 9, 12)
+os.register_at_fork(after_in_child=_tokens.forget)
+os.register_at_fork(after_in_child=_operations.forget)
 
 
 def new_token() -> str:
     """A lease token: unique across processes (never from the tie-break RNG, which tests seed)."""
-    return _entropy.hex(1)
+    return _tokens.text(1)
 
 
 def new_holder() -> str:
@@ -237,14 +248,20 @@ def new_holder() -> str:
     return "h" + os.urandom(8).hex()
 
 
+def new_operation() -> str:
+    """The operation id of one release, so that a resent copy of it is recognised."""
+    return _operations.text(1)
+
+
 def new_operations(n: int) -> list[str]:
-    """Operation ids for n releases, so that a resent copy of one is recognised."""
-    return new_tokens(n)
+    """Operation ids for n releases."""
+    h = _operations.text(n)
+    return [h[i : i + 12] for i in range(0, 12 * n, 12)]
 
 
 def new_tokens(n: int) -> list[str]:
     """n lease tokens."""
-    h = _entropy.hex(n)
+    h = _tokens.text(n)
     return [h[i : i + 16] for i in range(0, 16 * n, 16)]
 
 
@@ -642,7 +659,7 @@ class BalancerCore:
         request_id, named = self._named(server_id, request_id, token)
         try:
             return self._ended(
-                (yield Call(self._release, (server_id, request_id, named, new_token())))[0]
+                (yield Call(self._release, (server_id, request_id, named, new_operation())))[0]
             )
         finally:
             self._answered((named,))

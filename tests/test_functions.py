@@ -317,7 +317,7 @@ def _dump(r: redis.Redis, name: str, holder: str) -> dict[str, Any]:
             value: Any = sorted(norm(m) if timed else (norm(m), s) for m, s in rows)
         elif kind == "hash":
             fields = r.hgetall(key)
-            if family.startswith("ended") or family in ("waitstats", "waiting"):
+            if family in ("waitstats", "waiting"):
                 value = len(fields)
             elif family == "clock":  # times Redis heard heartbeats: their fields only
                 value = sorted(fields)
@@ -328,6 +328,8 @@ def _dump(r: redis.Redis, name: str, holder: str) -> dict[str, Any]:
                     for k, v in fields.items()
                     if not (k.startswith(clock[0]) or k.endswith(clock[1]))
                 }
+        elif kind == "set":  # remembered release ids: their count
+            value = r.scard(key)
         elif kind == "string":
             value = r.get(key)
         else:
@@ -443,6 +445,8 @@ def test_fcall_and_evalsha_give_identical_results_on_random_sequences(server, r,
 
     monkeypatch.setattr(core, "new_tokens", tokens)
     monkeypatch.setattr(core, "new_token", lambda: tokens(1)[0])
+    monkeypatch.setattr(core, "new_operations", tokens)
+    monkeypatch.setattr(core, "new_operation", lambda: tokens(1)[0])
     monkeypatch.setenv(ENV, "eval")
     by_eval = RedisLoadBalancer(
         pool, redis=server.url, name=f"ev{seed}", rng=random.Random(seed), **options

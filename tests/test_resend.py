@@ -181,16 +181,26 @@ def test_a_release_by_request_id_whose_own_lease_is_gone_ends_the_requests_other
     assert invariants.check(r, a.name) == {"s0": 0}
 
 
+def _rotations(lb: RedisLoadBalancer, r: redis.Redis) -> Callable[[], None]:
+    """A heartbeat that finds the current generation of remembered releases a window old: the
+    generation's start is back-dated, so each call rotates exactly once however slow the
+    machine (the window itself, 60 s here, never passes during a test)."""
+
+    def rotate() -> None:
+        r.hset(lb._core.prefix + "clock", "released", 0)
+        lb._run(lb._core.heartbeat())
+
+    return rotate
+
+
 def test_release_keys_are_remembered_a_window_and_forgotten_after_two(make_lb, r, monkeypatch):
     """A release's operation id is recognised across one rotation of the remembered keys
-    (a resend within the window) and gone after the next: memory stays bounded."""
-    monkeypatch.setattr(core, "RESEND_WINDOW_MS", 50)
-    lb = make_lb({"s0": None}, lease_ttl=60)  # its keeper's own heartbeats are 15 s apart
-    ended, old = lb._core.prefix + "ended", lb._core.prefix + "ended:old"
-
-    def beat_after_window() -> None:
-        time.sleep(0.07)
-        lb._run(lb._core.heartbeat())
+    (a resend within the window) and gone after the next: memory stays bounded, and an idle
+    balancer keeps none."""
+    monkeypatch.setattr(core, "RESEND_WINDOW_MS", 60_000)
+    lb = make_lb({"s0": None})
+    done, old = lb._core.prefix + "released", lb._core.prefix + "released:old"
+    rotate = _rotations(lb, r)
 
     def op() -> Iterator[Call]:  # the same release call each time, as a resend sends it
         return (yield Call(load("release"), ("s0", "a", "", "op-1")))  # type: ignore[misc]
@@ -200,15 +210,48 @@ def test_release_keys_are_remembered_a_window_and_forgotten_after_two(make_lb, r
 
     lb.acquire_server("a")
     assert release_op_1() != [0]
-    lb._run(lb._core.heartbeat())  # the generation's clock starts
-    beat_after_window()  # rotated: op-1 is in the old generation, still recognised
-    assert r.hexists(old, "op-1") and release_op_1() == [1]
-    r.hset(ended, "op-2", "1")
-    lb._run(lb._core.heartbeat())
-    beat_after_window()  # op-1's generation is dropped, op-2's is now the old one
-    assert not r.hexists(ended, "op-1") and not r.hexists(old, "op-1")
-    assert r.hexists(old, "op-2")
+    assert r.smembers(done) == {"op-1"}
+    lb._run(lb._core.heartbeat())  # within the window: nothing moves
+    assert r.smembers(done) == {"op-1"} and release_op_1() == [1]
+    rotate()  # op-1 is in the old generation, still recognised
+    assert not r.exists(done) and r.sismember(old, "op-1") and release_op_1() == [1]
+    r.sadd(done, "op-2")
+    rotate()  # op-1's generation is dropped, op-2's is now the old one
+    assert not r.sismember(done, "op-1") and not r.sismember(old, "op-1")
+    assert r.smembers(old) == {"op-2"}
     assert release_op_1() == [0]
+    rotate()  # nothing released since: both generations are gone
+    assert not r.exists(done, old)
+    assert invariants.check(r, lb.name) == {"s0": 0}
+
+
+def test_release_keys_of_earlier_clients_are_dropped_a_generation_after_their_last_use(
+    make_lb, r, monkeypatch
+):
+    """Clients before the sets remembered release ids in hashes ("ended", "ended:old", their
+    start in "@since") and rotate those themselves. Heartbeats of this version rotate them
+    the same way, so an earlier client's resend is recognised for as long as before, and
+    drop them once nobody writes them: they never outlive an upgrade."""
+    monkeypatch.setattr(core, "RESEND_WINDOW_MS", 60_000)
+    lb = make_lb({"s0": None})
+    ended, old = lb._core.prefix + "ended", lb._core.prefix + "ended:old"
+    rotate = _rotations(lb, r)
+    r.hset(ended, "e-1", "1")  # an earlier client's release, its generation not yet timed
+    r.hset(old, "e-0", "1")
+    rotate()  # "ended" gets its start, as an earlier client's heartbeat would give it
+    assert r.hget(ended, "@since") and r.hexists(old, "e-0")
+    rotate()  # within its window: nothing moves
+    assert r.hexists(ended, "e-1") and r.hexists(old, "e-0")
+    r.hset(ended, "@since", 0)
+    rotate()  # its window is up: it becomes the old generation, the one before is dropped
+    assert not r.exists(ended) and r.hexists(old, "e-1") and not r.hexists(old, "e-0")
+    rotate()  # nobody wrote "ended" since: the old generation is marked idle
+    assert r.hexists(old, "e-1") and r.hget(old, "@idle")
+    rotate()  # within its window: kept
+    assert r.hexists(old, "e-1")
+    r.hset(old, "@idle", 0)
+    rotate()  # and dropped a window after it was first seen alone
+    assert not r.exists(ended, old)
     assert invariants.check(r, lb.name) == {"s0": 0}
 
 

@@ -71,25 +71,53 @@ local function end_lease(token, rec, toks, unowned)
   return id
 end
 
--- Release keys (client-made operation ids) are remembered in two generations of hashes,
--- P.."ended" and P.."ended:old": a release writes one HSET field (no clock read, no sorted-set
--- insert), and a heartbeat retires the current generation once it is `remember` ms old
--- (rotate_ended), so a key is recognised for at least `remember` ms and at most about twice
--- that. The generation's start is its field "@since" (operation ids are hex).
-local function was_ended(op)
-  return redis.call('HEXISTS', P .. 'ended', op) == 1
-    or redis.call('HEXISTS', P .. 'ended:old', op) == 1
+-- Release keys (client-made operation ids) are remembered in two generations of sets,
+-- P.."released" and P.."released:old": a release adds one member (no clock read, no
+-- sorted-set insert, no value: a member costs less than a hash field), and a heartbeat retires
+-- the current generation once it is `remember` ms old (rotate_released), so a key is
+-- recognised for at least `remember` ms and at most about twice that (plus a heartbeat
+-- period), and an idle balancer's generations are gone within two windows. The generation's
+-- start is the P.."clock" field "released".
+local function was_released(op)
+  return redis.call('SISMEMBER', P .. 'released', op) == 1
+    or redis.call('SISMEMBER', P .. 'released:old', op) == 1
 end
 
-local function rotate_ended(now, remember)
-  local ended = P .. 'ended'
+-- Clients before the sets kept release keys in hashes, P.."ended" (its start in field
+-- "@since") and P.."ended:old", and rotate them the same way. Nothing else reads them: once
+-- no such client writes them, they are dropped here a generation after their last use
+-- ("@idle" marks when the old generation was first seen alone). Called once per rotation.
+local function retire_ended(now, remember)
+  local ended, old = P .. 'ended', P .. 'ended:old'
   local since = redis.call('HGET', ended, '@since')
-  if not since then
-    if redis.call('EXISTS', ended) == 1 then redis.call('HSET', ended, '@since', int(now)) end
-  elseif now - tonumber(since) >= remember then
-    redis.call('UNLINK', P .. 'ended:old') -- freed in the background: it may be large
-    redis.call('RENAME', ended, P .. 'ended:old')
+  if since then
+    if now - tonumber(since) >= remember then
+      redis.call('UNLINK', old)
+      redis.call('RENAME', ended, old)
+    end
+  elseif redis.call('EXISTS', ended) == 1 then
+    redis.call('HSET', ended, '@since', int(now))
+  else
+    local idle = redis.call('HGET', old, '@idle')
+    if not idle then
+      if redis.call('EXISTS', old) == 1 then redis.call('HSET', old, '@idle', int(now)) end
+    elseif now - tonumber(idle) >= remember then
+      redis.call('UNLINK', old)
+    end
   end
+end
+
+local function rotate_released(now, remember)
+  local since = redis.call('HGET', P .. 'clock', 'released')
+  if since and now - tonumber(since) < remember then return end
+  if since then
+    redis.call('UNLINK', P .. 'released:old') -- freed in the background: it may be large
+    if redis.call('EXISTS', P .. 'released') == 1 then
+      redis.call('RENAME', P .. 'released', P .. 'released:old')
+    end
+    retire_ended(now, remember)
+  end
+  redis.call('HSET', P .. 'clock', 'released', int(now))
 end
 
 -- Reclaim the leases of dead holders (deadline at most `horizon`, liveness() in lib/base: the
