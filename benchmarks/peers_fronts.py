@@ -41,6 +41,13 @@ SERVE = "redis-router serve least_loaded"
 ORACLE = "aiohttp pass-through, no Redis, no routing (oracle)"
 FRONTS = (
     FrontSpec(SERVE, frozenset({"latency", "throughput", "balance"}), "peers-serve"),
+    # The same instance serving from both cores of the machine (serve --processes).
+    FrontSpec(
+        SERVE + ", 2 processes",
+        frozenset({"latency", "throughput"}),
+        "peers-serve",
+        ("--processes", "2"),
+    ),
     FrontSpec(
         "redis-router serve prefix_cache, shipped defaults",
         frozenset({"multiturn", "grpo"}),

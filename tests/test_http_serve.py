@@ -14,6 +14,7 @@ import http.client
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -852,3 +853,106 @@ def test_requests_to_a_data_parallel_replica_carry_the_granted_rank_for_both_eng
         assert plain and all(ranks == [None, None] for ranks in plain)
         assert client.delete("/workers/r0").json() == {"id": "r0", "removed": True}
     assert sorted(state(server, name)["replicas"]) == ["r1"]
+
+
+# -- one instance, several processes -------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _owners(server: Any, name: str) -> dict[str, int]:
+    """Leases in flight per holder (each serving process has its balancer client)."""
+    client = redis.Redis.from_url(server.url, decode_responses=True)
+    try:
+        owned = client.keys(f"rr:{{{name}}}:owned:*")
+        return {k.rsplit(":", 1)[-1]: int(client.zcard(k)) for k in owned}
+    finally:
+        client.close()
+
+
+def test_processes_serve_one_port_as_one_instance(server, procs, name):
+    """serve --processes 2: two processes, each with its balancer client, answer on one port,
+    connections spread over both; /metrics sums both; SIGTERM stops both and the instance."""
+    replicas = procs.replicas(2)
+    register(server, name, replicas)
+    (front,) = procs.fronts(server.url, name, 1, "--processes", "2")
+    parent = procs.started[-1]
+    banner = (
+        r"redis-router serve \(2 processes\): balancer '\S+' at redis\S+, policy least_loaded, on "
+    )
+    assert re.fullmatch(banner + r"http://127\.0\.0\.1:\d+\n", procs.banners[-1]), procs.banners
+    kids = _children(parent.pid)
+    assert len(kids) == 2
+    n = 16
+    body = {"model": "m", "prompt": "x", "max_tokens": 1}
+
+    async def one(client: httpx.AsyncClient) -> int:
+        resp = await client.post(
+            f"{front}/v1/completions", json=body, headers={"X-Fake-Delay": "3"}
+        )
+        return resp.status_code
+
+    async def main() -> tuple[list[int], dict[str, int]]:
+        # A connection each: the kernel spreads connections over the processes by their ports
+        # (all 16 on one of two processes: probability 2**-15).
+        clients = [httpx.AsyncClient(timeout=30) for _ in range(n)]
+        try:
+            sent = [asyncio.ensure_future(one(c)) for c in clients]
+            deadline = time.monotonic() + POLL_TIMEOUT
+            owners = _owners(server, name)
+            while sum(owners.values()) < n and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                owners = _owners(server, name)
+            return list(await asyncio.gather(*sent)), owners
+        finally:
+            for c in clients:
+                await c.aclose()
+
+    codes, owners = asyncio.run(main())
+    assert codes == [200] * n
+    assert sum(owners.values()) == n, owners
+    assert len([k for k, v in owners.items() if v]) == 2, owners  # both processes served
+    assert state(server, name)["holders"]["live"] == 2
+    for _ in range(4):  # whichever process answers the scrape, it counts both
+        assert metric(front, "redis_router_http_requests_total") == n
+        assert metric(front, "redis_router_http_inflight") == 0
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(30) == 0
+    assert all(_gone(k) for k in kids)
+    assert procs.stderr_of(parent).count("redis-router serve: stopped") == 1
+    assert state(server, name)["holders"]["live"] == 0  # each process left the balancer
+
+
+def test_a_serving_process_that_dies_stops_the_instance(server, procs, name):
+    """A process of an instance killed: the others are stopped and the instance fails, for a
+    supervisor to restart it whole."""
+    register(server, name, procs.replicas(1))
+    procs.fronts(server.url, name, 1, "--processes", "2")
+    parent = procs.started[-1]
+    victim, other = _children(parent.pid)
+    os.kill(victim, signal.SIGKILL)
+    assert parent.wait(30) == 1
+    assert _gone(other)
+    assert f"serving process {victim} exited (-9); stopping the others" in procs.stderr_of(parent)
+
+
+@pytest.mark.parametrize("processes", ["0", "65"])
+def test_processes_out_of_range_are_refused(server, procs, name, processes):
+    proc = procs.start(
+        "-m", "redis_router", "--redis", server.url, "--name", name, "serve", "--port", "0",
+        "--processes", processes, pipe_stderr=True,
+    )  # fmt: skip
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and out == ""
+    assert f"--processes must be in [1, 64], got {processes}" in err

@@ -12,7 +12,7 @@ import argparse
 import importlib
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from redis import exceptions as rx
@@ -135,9 +135,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
     url = url_of(args)
+    return exit_code(lambda: int(args._run(args) or 0), url)
+
+
+def exit_code(run: Callable[[], int], url: str) -> int:
+    """What ``run`` returns, or the exit code of the error it raised, the error printed as one
+    line without credentials (errors of other kinds propagate)."""
     try:
         with stop_on_sigterm():  # long-running commands stop on SIGTERM as on Ctrl-C
-            return int(args._run(args) or 0)
+            return run()
     except Terminated:  # a one-shot command stopped midway
         return 128 + signal.SIGTERM
     except KeyboardInterrupt:

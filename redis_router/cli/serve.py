@@ -13,14 +13,21 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
+import socket
 import sys
+import tempfile
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from ..connection import redact, resolve_url
 from .common import CliError
 
 DEFAULT_PORT = 8000
+MAX_PROCESSES = 64
+# prometheus_client's multiprocess mode: where each process keeps its samples for /metrics.
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # When set, registering and removing replicas over HTTP (/workers) needs this bearer token
 # (an environment variable, not a flag, so that it never shows in a process list).
 ADMIN_TOKEN_ENV = "REDIS_ROUTER_ADMIN_TOKEN"
@@ -59,6 +66,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
     parser.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"port ({DEFAULT_PORT}); 0 picks one"
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="serving processes sharing the port (1): an aiohttp process serves from one "
+        "core; together they are one instance, as one process is",
     )
     parser.add_argument(
         "--router-config",
@@ -154,6 +169,22 @@ def balancer_options(args: argparse.Namespace) -> tuple[str, str, Any, dict[str,
 
 
 def run(args: argparse.Namespace) -> int:
+    if not 1 <= args.processes <= MAX_PROCESSES:
+        raise CliError(f"--processes must be in [1, {MAX_PROCESSES}], got {args.processes}")
+    if args.processes > 1 and not os.environ.get(METRICS_DIR_ENV):
+        # Before prometheus_client is imported: its samples then live in files every process
+        # writes and /metrics sums, so a scrape sees the instance, not one of its processes.
+        metrics_dir = tempfile.mkdtemp(prefix="redis-router-serve-metrics-")
+        os.environ[METRICS_DIR_ENV] = metrics_dir
+        try:
+            return _run(args)
+        finally:
+            del os.environ[METRICS_DIR_ENV]
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         from ..http.routing import SessionRule
         from ..http.server import ServeOptions
@@ -171,14 +202,33 @@ def run(args: argparse.Namespace) -> int:
         admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
     )
     url, name, policy, config = balancer_options(args)
-    main = _serve(args, url, name, policy, config, options)
+    if args.processes == 1:
+        _loop(_serve(args, url, name, policy, config, options, None, _announce))
+        return 0
+    from . import serve_processes
+
+    return serve_processes.run(
+        args.host,
+        args.port,
+        args.processes,
+        lambda sock, announce: _loop(
+            _serve(args, url, name, policy, config, options, sock, announce)
+        ),
+        url,
+    )
+
+
+def _announce(line: str) -> None:
+    print(line, flush=True)
+
+
+def _loop(main: Coroutine[Any, Any, None]) -> None:
     try:
         import uvloop  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         asyncio.run(main)
     else:
         uvloop.run(main)
-    return 0
 
 
 async def _serve(
@@ -188,6 +238,8 @@ async def _serve(
     policy: Any,
     config: dict[str, Any],
     options: Any,
+    sock: socket.socket | None,
+    announce: Callable[[str], None],
 ) -> None:
     from ..aio import AsyncRedisLoadBalancer
     from ..http.server import Front, running
@@ -201,15 +253,15 @@ async def _serve(
     lb = AsyncRedisLoadBalancer(redis=url, name=name, policy=policy, router_kwargs=config)
     async with lb:  # checks the pinned settings before serving anything
         front = Front(lb, options, metrics)
-        async with running(front, args.host, args.port) as (host, port):
-            print(
+        async with running(front, args.host, args.port, sock=sock) as (host, port):
+            announce(
                 f"redis-router serve: balancer {name!r} at {redact(lb.url)}, policy "
-                f"{lb.policy.name}, on http://{host}:{port}",
-                flush=True,
+                f"{lb.policy.name}, on http://{host}:{port}"
             )
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
             await stop.wait()
-    print("redis-router serve: stopped", file=sys.stderr, flush=True)
+    if sock is None:  # else the parent says it, once
+        print("redis-router serve: stopped", file=sys.stderr, flush=True)

@@ -9,14 +9,19 @@ replica, ejections, waits) is `redis-router exporter`'s; these say what this ins
     redis_router_http_retries_total{endpoint}                 counter    attempts on another
                                                                          replica
     redis_router_http_inflight                                gauge      requests being served
+
+With $PROMETHEUS_MULTIPROC_DIR set (``serve --processes N`` sets it), prometheus_client keeps
+every process's samples in files there and /metrics sums them: a scrape sees the instance.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Upstream latency buckets (s): from a cached short answer to a long generation.
@@ -49,8 +54,16 @@ class Metrics:
             registry=r,
         )
         self.inflight = Gauge(
-            "redis_router_http_inflight", "Requests being served now.", registry=r
+            "redis_router_http_inflight",
+            "Requests being served now.",
+            registry=r,
+            multiprocess_mode="livesum",  # the live processes' sum (ignored in one process)
         )
+        # What /metrics renders: this registry, or every process's samples.
+        self.shown = r
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            self.shown = CollectorRegistry()
+            MultiProcessCollector(self.shown)  # type: ignore[no-untyped-call]
 
         # The labelled children in use (a lookup per request otherwise): endpoints and codes
         # are bounded sets.
@@ -70,4 +83,4 @@ class Metrics:
         child.observe(seconds)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.shown)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -305,14 +306,24 @@ def _payload(raw: bytes) -> BytesPayload | None:
 
 
 @contextlib.asynccontextmanager
-async def running(front: Front, host: str, port: int, *, shutdown_timeout: float = 10.0) -> Any:
-    """Serve ``front`` on host:port until the block ends; yields the bound (host, port)."""
+async def running(
+    front: Front,
+    host: str,
+    port: int,
+    *,
+    sock: socket.socket | None = None,
+    shutdown_timeout: float = 10.0,
+) -> Any:
+    """Serve ``front`` on host:port (or on ``sock``, a listening socket that other processes
+    may accept on too) until the block ends; yields the bound (host, port)."""
     runner = web.AppRunner(
         front.app(), handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout
     )
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site: web.BaseSite = (
+            web.TCPSite(runner, host, port) if sock is None else web.SockSite(runner, sock)
+        )
         await site.start()
         bound = runner.addresses[0]
         yield bound[0], bound[1]
