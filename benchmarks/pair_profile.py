@@ -49,9 +49,9 @@ ACQUIRE = (
     ("counters, replica metadata, reply", None),
 )
 RELEASE = (
-    ("the call: arguments, per-call state", "local ended, unowned = nil, nil\n"),
+    ("the call: arguments, per-call state", "local done, unowned = nil, nil\n"),
     ("lease lookup by token", "  local sid = end_lease(token, rec, toks, unowned)\n"),
-    ("end_lease: record, index, holder, counts", "  if ended then\n    ended[#ended + 1]"),
+    ("end_lease: record, index, holder, counts", "  if done then\n    done[#done + 1]"),
     ("resend record, health, reply", None),
 )
 
