@@ -1,12 +1,13 @@
-"""`redis-router serve --processes N`: N serving processes on one listening socket.
+"""`redis-router serve --processes N`: N serving processes on one port.
 
 Why: an aiohttp process serves from one core, and the front keeps no state, so more cores
-need only more processes. The parent binds the port and forks N children that each run the
+need only more processes. The parent holds the port and forks N children that each run the
 same front on it, each with its own balancer client (they share Redis as separate instances
-do); the kernel hands each connection to one of them. The parent serves nothing: it prints
-one line once every child serves, stops them all on SIGTERM or SIGINT, and when one exits by
-itself stops the others and fails, for a supervisor to restart the instance (a process that
-died with requests in flight leaves leases that its balancer's lease ttl reclaims).
+do) and its own listening socket; the kernel hands each connection to one of them. The
+parent serves nothing: it prints one line once every child serves, stops them all on SIGTERM
+or SIGINT, and when one exits by itself stops the others and fails, for a supervisor to
+restart the instance (a process that died with requests in flight leaves leases that its
+balancer's lease ttl reclaims).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def run(host: str, port: int, processes: int, serve: Serve, url: str) -> int:
     shared = not hasattr(socket, "SO_REUSEPORT")
     held = _socket(host, port, listen=shared)
     ready_r, ready_w = os.pipe()
-    children: dict[int, int] = {}  # pid -> index
-    for index in range(processes):
+    children: set[int] = set()  # pids
+    for _ in range(processes):
         pid = os.fork()
         if pid == 0:  # the child: serve until stopped, then leave without the parent's cleanup
             os.close(ready_r)
@@ -47,7 +48,7 @@ def run(host: str, port: int, processes: int, serve: Serve, url: str) -> int:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
-        children[pid] = index
+        children.add(pid)
     os.close(ready_w)
     if shared:
         held.close()  # the children hold it
@@ -111,7 +112,7 @@ def _child(serve: Serve, held: socket.socket, shared: bool, ready: int, url: str
     return exit_code(one, url)
 
 
-def _supervise(children: dict[int, int], ready: int, processes: int, stopping: list[int]) -> int:
+def _supervise(children: set[int], ready: int, processes: int, stopping: list[int]) -> int:
     """Print the first banner once every child announced itself; wait for a stop signal or a
     child's exit; stop the rest. Returns the exit code."""
     banners: list[str] = []
@@ -162,7 +163,7 @@ def _supervise(children: dict[int, int], ready: int, processes: int, stopping: l
     return code
 
 
-def _reap(children: dict[int, int]) -> tuple[int, int] | None:
+def _reap(children: set[int]) -> tuple[int, int] | None:
     """A child that exited, taken off ``children`` (and off the metrics' live processes)."""
     try:
         pid, status = os.waitpid(-1, os.WNOHANG)
@@ -170,12 +171,12 @@ def _reap(children: dict[int, int]) -> tuple[int, int] | None:
         return None
     if pid == 0 or pid not in children:
         return None
-    del children[pid]
+    children.discard(pid)
     _forget_metrics(pid)
     return pid, status
 
 
-def _stop(children: dict[int, int]) -> None:
+def _stop(children: set[int]) -> None:
     for pid in children:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT
@@ -186,7 +187,7 @@ def _stop(children: dict[int, int]) -> None:
         _signal(pid, signal.SIGKILL)
     for pid in list(children):
         os.waitpid(pid, 0)
-        del children[pid]
+        children.discard(pid)
         _forget_metrics(pid)
 
 
