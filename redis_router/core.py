@@ -221,6 +221,11 @@ class _Entropy:
             self._at = at + need
             return self._buf[at : at + need]
 
+    def ids(self, n: int) -> list[str]:
+        """n ids never handed out before."""
+        text, w = self.text(n), self._width
+        return [text[i : i + w] for i in range(0, w * n, w)]
+
     def forget(self) -> None:
         self._lock = threading.Lock()
         self._buf, self._at = "", 0
@@ -255,14 +260,12 @@ def new_operation() -> str:
 
 def new_operations(n: int) -> list[str]:
     """Operation ids for n releases."""
-    h = _operations.text(n)
-    return [h[i : i + 12] for i in range(0, 12 * n, 12)]
+    return _operations.ids(n)
 
 
 def new_tokens(n: int) -> list[str]:
     """n lease tokens."""
-    h = _tokens.text(n)
-    return [h[i : i + 16] for i in range(0, 16 * n, 16)]
+    return _tokens.ids(n)
 
 
 def _margin(value: Any) -> int | None:
