@@ -22,12 +22,12 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from ..connection import redact, resolve_url
+from . import serve_processes
 from .common import CliError
+from .serve_processes import METRICS_DIR_ENV
 
 DEFAULT_PORT = 8000
 MAX_PROCESSES = 64
-# prometheus_client's multiprocess mode: where each process keeps its samples for /metrics.
-METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # When set, registering and removing replicas over HTTP (/workers) needs this bearer token
 # (an environment variable, not a flag, so that it never shows in a process list).
 ADMIN_TOKEN_ENV = "REDIS_ROUTER_ADMIN_TOKEN"
@@ -205,8 +205,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.processes == 1:
         _loop(_serve(args, url, name, policy, config, options, None, _announce))
         return 0
-    from . import serve_processes
-
     return serve_processes.run(
         args.host,
         args.port,

@@ -21,6 +21,8 @@ import sys
 import time
 from collections.abc import Callable
 
+# prometheus_client's multiprocess mode: where each process keeps its samples for /metrics.
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # A child that has not announced itself by then is taken as hung at start.
 START_TIMEOUT = 120.0
 STOP_TIMEOUT = 30.0  # after SIGTERM, then SIGKILL
@@ -132,10 +134,7 @@ def _supervise(children: set[int], ready: int, processes: int, stopping: list[in
                 )
                 code = 1
                 break
-            try:
-                readable, _, _ = select.select([ready], [], [], 0.1)
-            except InterruptedError:
-                continue
+            readable, _, _ = select.select([ready], [], [], 0.1)
             if readable:
                 chunk = os.read(ready, 65536)
                 pending += chunk
@@ -198,7 +197,7 @@ def _signal(pid: int, sig: int) -> None:
 
 def _forget_metrics(pid: int) -> None:
     """A process's live gauges no longer count toward the instance's (prometheus_client)."""
-    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    if not os.environ.get(METRICS_DIR_ENV):
         return
     try:
         from prometheus_client import multiprocess

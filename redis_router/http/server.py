@@ -314,8 +314,8 @@ async def running(
     sock: socket.socket | None = None,
     shutdown_timeout: float = 10.0,
 ) -> Any:
-    """Serve ``front`` on host:port (or on ``sock``, a listening socket that other processes
-    may accept on too) until the block ends; yields the bound (host, port)."""
+    """Serve ``front`` on host:port (or on ``sock``, a socket already bound and listening)
+    until the block ends; yields the bound (host, port)."""
     runner = web.AppRunner(
         front.app(), handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout
     )
