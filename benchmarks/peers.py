@@ -28,7 +28,9 @@ latency, throughput and balance (one instance per client process there), with th
 prefix_cache router YAML (the shipped thresholds, and abs 64 / rel 1.5) in the prefix measures,
 a session's turns naming it in ``X-Session-ID``. The oracle, an aiohttp pass-through with no
 Redis and no routing started and measured as ``serve`` is (benchmarks/peers_oracle.py), bounds
-what a front on that HTTP stack can reach in latency and throughput.
+what a front on that HTTP stack can reach in latency and throughput; the same with one Redis
+``PING`` round trip per request bounds what such a front that asks Redis once per request
+can reach.
 
 The gateways live in ``.venv-peers`` in the checkout, installed from the registry when missing
 (``--no-install``: use what is there); a gateway that cannot be installed or started is a row

@@ -31,6 +31,7 @@ class FrontSpec:
     balancer: str = ""  # the balancer name its instances share ("" for the oracle)
     args: tuple[str, ...] = ()  # serve's own flags after ``serve --host H --port P``
     session_header: bool = False  # send a multi-turn session's id in X-Session-ID
+    ping_redis: bool = False  # the oracle makes one Redis round trip per request
 
     @property
     def oracle(self) -> bool:
@@ -39,6 +40,7 @@ class FrontSpec:
 
 SERVE = "redis-router serve least_loaded"
 ORACLE = "aiohttp pass-through, no Redis, no routing (oracle)"
+ORACLE_PING = "aiohttp pass-through, one Redis PING per request (oracle)"
 FRONTS = (
     FrontSpec(SERVE, frozenset({"latency", "throughput", "balance"}), "peers-serve"),
     # The same instance serving from both cores of the machine (serve --processes).
@@ -70,6 +72,8 @@ FRONTS = (
         session_header=True,
     ),
     FrontSpec(ORACLE, frozenset({"latency", "throughput"})),
+    # A front that asks Redis once per request can add no less than this.
+    FrontSpec(ORACLE_PING, frozenset({"latency", "throughput"}), ping_redis=True),
 )
 
 
@@ -107,12 +111,15 @@ def start(
             port = gws.free_port()
             if spec.oracle:
                 cmd = [sys.executable, "-m", "benchmarks.peers_oracle", "--port", str(port)]
+                if spec.ping_redis:
+                    cmd += ["--redis", redis_url]
                 cmd += list(servers.values())
             else:
                 cmd = [sys.executable, "-m", "redis_router", "--redis", redis_url, "--name"]
                 cmd += [spec.balancer, "serve", "--host", gws.HOST, "--port", str(port)]
                 cmd += list(spec.args)
-            log = log_dir / f"front-{spec.balancer or 'oracle'}-{i}.log"
+            oracle = "oracle-ping" if spec.ping_redis else "oracle"
+            log = log_dir / f"front-{spec.balancer or oracle}-{i}.log"
             insts.append(gws.spawn(gspec, cmd, port, log, cwd=gws.ROOT))
         out[spec.label] = insts
     for insts in out.values():

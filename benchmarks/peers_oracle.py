@@ -8,16 +8,24 @@ and no access log; one ``ClientSession`` with an unbounded pool, the same keep-a
 decompression, no headers of its own and no cookie jar; uvloop when installed, else asyncio's
 loop) and started and measured as it is, so its rows bound what any front on this HTTP stack
 can reach on this machine.
+
+``--redis URL`` adds the least a front that asks Redis for each request's replica must add:
+one round trip per request, a ``PING`` written on one connection opened at start-up and its
+``+PONG`` matched where the event loop receives it (an asyncio protocol, no client library, no
+task per reply; Redis answers in order). Its rows bound what a front on this HTTP stack with
+one Redis call per request can reach.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import itertools
 import signal
 import sys
 from collections.abc import Sequence
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -27,11 +35,58 @@ KEEPALIVE_TIMEOUT = 4.0
 SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent")
 
 
-def app(upstreams: Sequence[str]) -> web.Application:
+class Pings(asyncio.Protocol):
+    """One Redis connection on which each ``ping()`` writes PING and resolves on its reply."""
+
+    def __init__(self) -> None:
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._transport: asyncio.Transport | None = None
+        self._tail = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        data = self._tail + data
+        end = data.rfind(b"\r\n") + 2
+        self._tail = data[end:] if end > 1 else data
+        for _ in range(data.count(b"\r\n", 0, end if end > 1 else 0)):
+            fut = self._waiting.popleft()
+            if not fut.done():
+                fut.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        while self._waiting:
+            fut = self._waiting.popleft()
+            if not fut.done():
+                fut.set_exception(ConnectionError("the Redis connection closed"))
+
+    def ping(self) -> asyncio.Future[None]:
+        assert self._transport is not None
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting.append(fut)
+        self._transport.write(b"PING\r\n")
+        return fut
+
+
+async def connect_pings(url: str) -> Pings:
+    parts = urlsplit(url)
+    loop = asyncio.get_running_loop()
+    _, pings = await loop.create_connection(
+        Pings, parts.hostname or "127.0.0.1", parts.port or 6379
+    )
+    return pings
+
+
+def app(upstreams: Sequence[str], redis_url: str | None = None) -> web.Application:
     urls = itertools.cycle([u.rstrip("/") for u in upstreams])
     state: dict[str, aiohttp.ClientSession] = {}
+    pings: list[Pings] = []
 
     async def start(_app: web.Application) -> None:
+        if redis_url is not None:
+            pings.append(await connect_pings(redis_url))
         connector = aiohttp.TCPConnector(
             limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_TIMEOUT
         )
@@ -47,6 +102,8 @@ def app(upstreams: Sequence[str]) -> web.Application:
 
     async def forward(request: web.Request) -> web.Response:
         raw = await request.read()
+        if pings:
+            await pings[0].ping()
         url = next(urls) + request.rel_url.path_qs
         async with state["client"].post(url, data=raw, headers=_JSON) as resp:
             body = await resp.read()
@@ -62,8 +119,10 @@ def app(upstreams: Sequence[str]) -> web.Application:
 _JSON = {"Content-Type": "application/json"}
 
 
-async def serve(host: str, port: int, upstreams: Sequence[str]) -> None:
-    runner = web.AppRunner(app(upstreams), handler_cancellation=True, access_log=None)
+async def serve(
+    host: str, port: int, upstreams: Sequence[str], redis_url: str | None = None
+) -> None:
+    runner = web.AppRunner(app(upstreams, redis_url), handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
@@ -81,9 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.peers_oracle")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--redis", metavar="URL", help="one PING round trip per request (no auth)")
     p.add_argument("upstreams", nargs="+", metavar="URL")
     args = p.parse_args(argv)
-    coro = serve(args.host, args.port, args.upstreams)
+    coro = serve(args.host, args.port, args.upstreams, args.redis)
     try:  # the loop redis-router serve picks
         import uvloop  # type: ignore[import-not-found,unused-ignore]
     except ImportError:

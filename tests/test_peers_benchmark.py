@@ -104,6 +104,8 @@ def test_quick_run_prints_finite_redis_router_rows(tmp_path: Path) -> None:
         ("latency", f"{peers_fronts.SERVE}, asyncio client"),
         ("latency", ORACLE),
         ("latency", f"{ORACLE}, asyncio client"),
+        ("latency", peers_fronts.ORACLE_PING),
+        ("throughput_0ms", peers_fronts.ORACLE_PING),
         ("throughput_0ms", peers_fronts.SERVE),
         ("throughput_0ms", ORACLE),
         ("throughput_20ms", peers_fronts.SERVE),
