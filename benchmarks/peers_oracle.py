@@ -48,10 +48,8 @@ class Pings(asyncio.Protocol):
         self._transport = transport
 
     def data_received(self, data: bytes) -> None:
-        data = self._tail + data
-        end = data.rfind(b"\r\n") + 2
-        self._tail = data[end:] if end > 1 else data
-        for _ in range(data.count(b"\r\n", 0, end if end > 1 else 0)):
+        head, end, self._tail = (self._tail + data).rpartition(b"\r\n")
+        for _ in range(head.count(b"\r\n") + len(end) // 2):  # one "+PONG\r\n" each
             fut = self._waiting.popleft()
             if not fut.done():
                 fut.set_result(None)
