@@ -1,6 +1,6 @@
 -- acquire.lua: route one or more requests and take a lease for each, atomically.
 -- KEYS[1]  key prefix "rr:{NAME}:"
--- ARGV[1]  lease ttl (ms): a holder new to Redis (or its keeper behind by half of it) beats
+-- ARGV[1]  lease ttl (ms): the holder's heartbeat deadline moves to now + this
 -- ARGV[2]  sticky bucket width (ms)  ARGV[3]  sticky ttl (ms), checked against the pinned one
 -- ARGV[4]  buckets to search back    ARGV[5]  1 = full_determinism    ARGV[6]  holder (its
 --          heartbeat)   ARGV[7..14]  affinity margin, ratio, group cap, group_by, ejection,

@@ -148,31 +148,6 @@ def test_acquires_reap_nothing_and_reaping_calls_are_bounded(make_lb, r):
     assert sum(invariants.check(r, lb.name).values()) == 1  # only "fresh" is left
 
 
-def test_an_acquire_beats_only_when_its_holders_deadline_is_near(make_lb, r):
-    """While the keeper's beats leave half a lease_ttl, an acquire reads the deadline and
-    writes nothing there; a deadline closer than that is moved to now + lease_ttl."""
-    lb = make_lb(SERVERS, lease_ttl=10.0)
-    lb._core.on_acquire = lambda: None  # no keeper: only the acquires below beat
-    holders = invariants.prefix(lb.name) + "holders"
-    holder = lb._core.holder
-
-    def now_ms() -> int:
-        secs, micros = r.time()
-        return int(secs) * 1000 + int(micros) // 1000
-
-    lb.acquire_server("first")  # a holder new to Redis beats
-    assert r.zscore(holders, holder) > now_ms() + 5_000  # (room for a stalled machine)
-    ahead = now_ms() + 6_000  # more than half of lease_ttl ahead: left as it is
-    r.zadd(holders, {holder: ahead}, xx=True)
-    lb.acquire_server("second")
-    assert r.zscore(holders, holder) == ahead
-    near = now_ms() + 4_000  # less than half ahead: the acquire beats
-    r.zadd(holders, {holder: near}, xx=True)
-    lb.acquire_server("third")
-    assert r.zscore(holders, holder) > now_ms() + 5_000
-    assert sum(invariants.check(r, lb.name).values()) == 3
-
-
 def _commands(r: redis.Redis) -> int:
     """Commands the server has run (scripts' own calls included), from INFO commandstats."""
     stats = r.info("commandstats")

@@ -191,7 +191,7 @@ local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
 end
 
 -- The acquire procedure every router shares (the core's acquire.lua and plugins' scripts).
--- ARGV[1] holder's lease ttl (ms: a deadline under half of it ahead is pushed to now + it),
+-- ARGV[1] holder's lease ttl (ms: its heartbeat deadline is pushed to now + this),
 -- ARGV[2] sticky bucket width (ms), ARGV[3] sticky ttl (ms), ARGV[4] buckets to search back,
 -- ARGV[5] router flag (core: 1 = full_determinism), ARGV[6] holder, ARGV[7] affinity margin,
 -- ARGV[8] affinity ratio ("" = off: a sticky session stays however loaded its replica is),
@@ -224,16 +224,11 @@ local function acquire_all(stride, policy)
   local span, holder = tonumber(ARGV[4]), ARGV[6]
   local now = now_ms()
   local cur = math.floor(now / width)
-  -- An acquire keeps its holder alive, and reaps nothing: the holders' keepers do, in short
-  -- calls of their own, so no acquire is slowed by another process's crash. While the
-  -- keeper's beats leave at least half a ttl, the acquire only reads the deadline (no write
-  -- per call); a holder new to Redis, or one whose keeper fell behind, beats here.
-  local deadline = redis.call('ZSCORE', P .. 'holders', holder)
-  if not deadline or tonumber(deadline) - now < lease_ms / 2 then
-    local mismatch = heartbeat(holder, now, lease_ms, ARGV[3], ARGV[7], ARGV[8], ARGV[9],
-      ARGV[10], ARGV[11], ARGV[13], policy.min_cached or '', ARGV[14])
-    if mismatch then return mismatch end
-  end
+  -- An acquire is a heartbeat of its holder, and reaps nothing: the holders' keepers do,
+  -- in short calls of their own, so no acquire is slowed by another process's crash.
+  local mismatch = heartbeat(holder, now, lease_ms, ARGV[3], ARGV[7], ARGV[8], ARGV[9],
+    ARGV[10], ARGV[11], ARGV[13], policy.min_cached or '', ARGV[14])
+  if mismatch then return mismatch end
   -- spread_sessions (pinned): new sessions' ties go to the fewest pinned sessions
   -- (lib/picking). Lookups then stop at the oldest live sticky bucket (bucket b expires at
   -- (b + 1) * width + ttl), so an entry at its very expiry is neither found nor counted.
