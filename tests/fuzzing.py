@@ -56,7 +56,7 @@ from .model import EJECT_AFTER, MAX_EJECTED, Model, NoServers, PrefixPolicy, Pro
 # holder's slack (Stall.join), short enough that dead holders are reclaimed within a step.
 LEASE_TTL = 0.8
 MARGIN = 0.02  # slack (s) around a dead holder's deadline: the ms clock and the round trip
-STEP = 0.15  # a step that could end past a dead holder's deadline waits for it first
+STEP = 0.3  # a step that could end past a dead holder's deadline waits for it first
 PROCESSES = 3
 KEEPERS_WAIT = LEASE_TTL + 2.0  # the most a reclaim waits for the live keepers to act
 SERVERS = ["s0", "s1", "s2", "{s3}", "ü:4"]
