@@ -39,7 +39,8 @@ T = TypeVar("T")
 # Seconds a written call may wait for its reply to be read when the process makes no other
 # call: the background reader's period.
 BOUND = 0.002
-# Seconds without a written call after which the reader sleeps until the next one.
+# Seconds without a written call after which the reader sleeps until the next one wakes it
+# (before that it looks every BOUND seconds by itself).
 IDLE = 1.0
 # Seconds close() and process exit wait for the replies of written calls.
 DRAIN_TIMEOUT = 5.0
@@ -138,6 +139,7 @@ class Outbox:
         self._conn: Any = None
         self._reader: threading.Thread | None = None
         self._idle = True
+        self._last_write = 0.0  # when the latest call was written (monotonic)
         self._closed = False
         _open.add(self)
 
@@ -276,7 +278,8 @@ class Outbox:
             # Perhaps written: the resend (same operation id) is safe either way.
             self._broken()
             return False
-        self._written.append(_Written(op, call, out, time.monotonic()))
+        self._last_write = now = time.monotonic()
+        self._written.append(_Written(op, call, out, now))
         return True
 
     def _read_one(self) -> None:
@@ -379,6 +382,12 @@ class Outbox:
                 return False
             if not self._again:  # else: sent below, outside the lock, at once
                 if not self._written:
+                    # While calls come (one within IDLE), look again every BOUND unasked,
+                    # so a post never has to wake this thread (a thread switch per post
+                    # measured ~8 % of a sync pair); quiet for IDLE, sleep until woken.
+                    if time.monotonic() - self._last_write < IDLE:
+                        self._wake.wait(BOUND)
+                        return not self._closed
                     self._idle = True
                     self._wake.wait(IDLE)
                     return not self._closed

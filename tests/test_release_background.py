@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from redis_router import AsyncRedisLoadBalancer, NoCapacity
-from redis_router.outbox import Released
+from redis_router.outbox import IDLE, Released
 
 from . import invariants
 
@@ -127,6 +127,46 @@ def test_a_broken_connection_sends_the_unanswered_releases_again(make_lb, r, ser
     assert invariants.check(r, lb.name) == {"s0": 0}
     sid, _ = lb.acquire_server("after")  # and the balancer goes on, on a new connection
     assert lb.release_server(sid, "after").result() is True
+
+
+class _CountedWakes(threading.Condition):
+    """An outbox's condition that counts the wakes sent to its background reader."""
+
+    def __init__(self, lock: Any) -> None:
+        super().__init__(lock)
+        self.wakes = 0
+
+    def notify(self, n: int = 1) -> None:
+        self.wakes += 1
+        super().notify(n)
+
+
+def test_releases_that_keep_coming_do_not_wake_the_reader_and_a_quiet_one_sleeps(make_lb, r):
+    """While releases keep coming the background reader looks every BOUND by itself: only
+    the first release, or one after a quiet IDLE, wakes it (waking a thread cost a sync pair
+    ~8 %). Replies are still read with no later call, and a quiet reader sleeps."""
+    lb = make_lb({"s0": "a", "s1": "b"})
+    outbox = lb._outbox
+    outbox._wake = counted = _CountedWakes(outbox._lock)
+    quiet, last = 0, time.monotonic()
+    for i in range(500):
+        sid, _ = lb.acquire_server(f"r{i}")
+        lb.release_server(sid, f"r{i}")
+        now = time.monotonic()
+        quiet += now - last > IDLE / 2  # a stalled machine: that release may wake it
+        last = now
+    assert counted.wakes <= 1 + quiet, (counted.wakes, quiet)
+    sid, _ = lb.acquire_server("alone")
+    alone = lb.release_server(sid, "alone")
+    deadline = time.monotonic() + 10
+    while not alone.done() and time.monotonic() < deadline:  # nothing else reads it
+        time.sleep(0.01)
+    assert alone.done() and alone.result() is True
+    deadline = time.monotonic() + IDLE + 10
+    while not outbox._idle and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert outbox._idle  # asleep until the next release wakes it
+    assert invariants.check(r, lb.name) == {"s0": 0, "s1": 0}
 
 
 def test_a_process_that_exits_without_close_has_its_releases_answered(server, r):
