@@ -473,12 +473,12 @@ class BalancerMachine(RuleBasedStateMachine):
         proc.silence()
         self.stats.deaths += 1
         t0 = time.monotonic()
-        deadline, now = self.r.zscore(self.p + "holders", proc.holder), self.r.time()
+        deadline, now = self.r.zscore(self.p + "holders", proc.holder), self._redis_ms()
         t1 = time.monotonic()
         if deadline is None:  # never acquired: not a holder, nothing to reclaim
             assert not self.model.tokens_of(proc.holder)
             return
-        left = (deadline - (now[0] * 1000 + now[1] // 1000)) / 1000
+        left = (deadline - now) / 1000
         # A live holder's deadline is at least 3/4 lease_ttl ahead (heartbeats every 1/4).
         assert left > LEASE_TTL / 4, f"a live holder was {left:.3f}s from being declared dead"
         proc.lo, proc.hi = t0 + left - MARGIN, t1 + left + MARGIN
@@ -542,14 +542,18 @@ class BalancerMachine(RuleBasedStateMachine):
         for over half a lease_ttl (the machine, not only Redis, stalled that long), so the
         holders whose deadline fell after that silence began are not dead until it ends."""
         since, till = self.r.hmget(self.p + "clock", "since", "till")
-        secs, micros = self.r.time()
-        now = secs * 1000 + micros // 1000
+        now = self._redis_ms()
         if since is None or till is None or int(till) <= now:
             return 0.0
         deadlines = self.r.zmscore(self.p + "holders", [p.holder for p in dead])
         if not any(d is not None and d > int(since) for d in deadlines):
             return 0.0
         return (int(till) - now) / 1000
+
+    def _redis_ms(self) -> int:
+        """Redis's clock in ms, the clock every deadline is kept in."""
+        secs, micros = self.r.time()
+        return int(secs) * 1000 + int(micros) // 1000
 
     def _still_leases(self, tokens: list[str]) -> list[str]:
         if not tokens:
@@ -749,8 +753,7 @@ class BalancerMachine(RuleBasedStateMachine):
 
     def _explain_loss(self, gone: set[str], expected: set[str]) -> str:
         """Which processes the leases that went belonged to, and how they stand in Redis."""
-        now = self.r.time()
-        now_ms = now[0] * 1000 + now[1] // 1000
+        now_ms = self._redis_ms()
         lines = [f"expected one of {sorted(expected)} to go; went:"]
         for t in sorted(gone):
             holder = self.model.leases[t].holder
