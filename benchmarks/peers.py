@@ -11,7 +11,8 @@ the median over the repetitions. Measures:
   through the same client (sync ``http.client``; asyncio: the stdlib keep-alive client). The
   library's request is acquire, request, release; the release is queued and answered in the
   background (sync and asyncio), and once more awaited for its result (asyncio: the round trip
-  a caller that waits for it pays).
+  a caller that waits for it pays). The oracle rows make one redis-py ``PING`` round trip
+  before each direct request: the least a library that asks Redis once per request pays.
 - ``throughput``: 32 concurrent asyncio clients in one process, at 0 and 20 ms service time,
   as a ratio to direct requests in the same repetition.
 - ``balance``: 4 client processes, 8 concurrent requests each (service time drawn per request,
@@ -64,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+import redis.asyncio
 
 from redis_router import AsyncRedisLoadBalancer, RedisLoadBalancer
 from redis_router.local_server import LocalServer, first_server_binary
@@ -180,6 +182,10 @@ def _med(xs: list[float]) -> float:
 LAT_SYNC_DIRECT = "direct request (sync http.client)"
 LAT_ASYNC_DIRECT = "direct request (asyncio client)"
 LAT_AWAITED = "redis-router asyncio, release awaited"
+# What a library that asks Redis once per request pays at least, with redis-py's own clients:
+# one PING round trip, then the request (no script, no routing, no release).
+LAT_PING = "oracle: one redis-py PING, then the request"
+LAT_PING_ASYNC = f"{LAT_PING}, asyncio"
 
 
 async def _latency(b: Bench) -> list[Row]:
@@ -191,10 +197,20 @@ async def _latency(b: Bench) -> list[Row]:
     lb = RedisLoadBalancer(servers, redis=b.redis_url, name="peers-latency")
     alb = AsyncRedisLoadBalancer(servers, redis=b.redis_url, name="peers-latency-aio")
     sc, ac = SyncClient(), AsyncClient()
+    rping = redis.Redis.from_url(b.redis_url)
+    arping = redis.asyncio.Redis.from_url(b.redis_url)
     n = itertools.count()
 
     def direct() -> None:
         sc.post(urls[next(n) % len(urls)], path, body)
+
+    def pinged() -> None:
+        rping.ping()
+        sc.post(urls[next(n) % len(urls)], path, body)
+
+    async def apinged() -> None:
+        await arping.ping()
+        await ac.post(urls[next(n) % len(urls)], path, body)
 
     def routed() -> None:
         rid = uuid.uuid4().hex
@@ -219,16 +235,23 @@ async def _latency(b: Bench) -> list[Row]:
             if wait:
                 await released
 
-    sync_fns: dict[str, Callable[[], None]] = {LAT_SYNC_DIRECT: direct, "redis-router sync": routed}
+    sync_fns: dict[str, Callable[[], None]] = {
+        LAT_SYNC_DIRECT: direct,
+        "redis-router sync": routed,
+        LAT_PING: pinged,
+    }
     async_fns: dict[str, Callable[[], Any]] = {
         LAT_ASYNC_DIRECT: adirect,
         "redis-router asyncio": arouted,
         LAT_AWAITED: functools.partial(arouted, True),
+        LAT_PING_ASYNC: apinged,
     }
     base = {
         "redis-router sync": LAT_SYNC_DIRECT,
         "redis-router asyncio": LAT_ASYNC_DIRECT,
         LAT_AWAITED: LAT_ASYNC_DIRECT,
+        LAT_PING: LAT_SYNC_DIRECT,
+        LAT_PING_ASYNC: LAT_ASYNC_DIRECT,
     }
     errors: dict[str, str] = {}
     for label in b.labels("latency"):
@@ -264,6 +287,8 @@ async def _latency(b: Bench) -> list[Row]:
                 samples[name].append((math.nan, math.nan))
     lb.close()
     await alb.close()
+    rping.close()
+    await arping.aclose()
     sc.close()
     await ac.close()
     rows = []

@@ -94,6 +94,8 @@ def test_quick_run_prints_finite_redis_router_rows(tmp_path: Path) -> None:
         ("latency", "redis-router sync"),
         ("latency", "redis-router asyncio"),
         ("latency", "redis-router asyncio, release awaited"),
+        ("latency", peers.LAT_PING),
+        ("latency", peers.LAT_PING_ASYNC),
         ("throughput_0ms", "redis-router asyncio"),
         ("throughput_20ms", "redis-router asyncio"),
         ("balance", "redis-router, 4 processes on one Redis"),
