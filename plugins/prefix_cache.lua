@@ -22,9 +22,12 @@
 --          exceeds the median count m of the replicas taking new sessions by more than abs and
 --          is more than rel * m, or exceeds the least loaded count by more than 4 * abs and
 --          is more than rel times it (then least loaded; ZCARD, two ZRANGE by rank, one
---          ZSCORE, only when a prefix would decide). The deepest and the first hash are read first (a
---          repeated prompt, or a never-seen one, costs one HMGET of two), else all of them
---          with one more HMGET, scanned from the deepest. With exact hashes: a replica whose exact index is trusted now
+--          ZSCORE, only when a prefix would decide); when the replica holds the whole prompt
+--          (its deepest hash, or exact depth within a block of it) only the second test, by
+--          more than 2 * abs.
+--          The deepest and the first hash are read first (a repeated prompt, or a
+--          never-seen one, costs one HMGET of two), else all of them with one more HMGET,
+--          scanned from the deepest. With exact hashes: a replica whose exact index is trusted now
 --          (kv:exact) is judged by kv:idx, and by its approximate records only while younger
 --          than lag_ms (blocks sent whose events have not arrived); the deepest prefix in
 --          tokens wins, depths less than max(block_size, kv_block_size) apart pool their
@@ -65,22 +68,31 @@ end
 
 -- Whether one more request would make replica `id` (taking new sessions) a hot spot: its
 -- count, the request included, above the median by more than abs and more than rel times it,
--- or above the least loaded count by more than FAR * abs and more than rel times it.
-local FAR = 4
+-- or above the least loaded count by more than FAR * abs and more than rel times it. A request
+-- whose whole prompt the replica holds (`whole`: a GRPO group's samples, a repeat) is judged
+-- by the second test alone, with WHOLE * abs.
+local FAR, WHOLE = 4, 2
 -- Judged on the replica the prefix picks, not on the pool's spread: one busy replica
 -- elsewhere (long sticky sessions) does not turn the index off for every prompt, and a GRPO
--- group stays together until its own replica stands out. O(log N).
-local function hot(c, id)
+-- group stays together until its own replica stands out. A request sent elsewhere loses what
+-- the replica holds of its prompt: a share of it where requests share a system prompt, all of
+-- it for a repeat. While fewer groups than replicas are in flight the median is 0, so the
+-- first test would split every group of more than abs samples; against the least loaded,
+-- with 2 * abs, a group of 2 * abs + 1 stays whole on an idle pool, and a replica holding
+-- groups more than 2 * abs above the least loaded one passes the next samples on. O(log N).
+local function hot(c, id, whole)
   local n = redis.call('ZCARD', P .. 'load')
   if n == 0 then return false end
-  local r = math.floor((n - 1) / 2)
-  local med = tonumber(redis.call('ZRANGE', P .. 'load', r, r, 'WITHSCORES')[2])
   local l = tonumber(redis.call('ZSCORE', P .. 'load', id)) + 1
-  if l - med > c.abs and l > c.rel * med then return true end
+  if not whole then
+    local r = math.floor((n - 1) / 2)
+    local med = tonumber(redis.call('ZRANGE', P .. 'load', r, r, 'WITHSCORES')[2])
+    if l - med > c.abs and l > c.rel * med then return true end
+  end
   -- Far above the least loaded: replicas that never received a shared prefix may be a
   -- minority below the median, and would otherwise wait forever.
   local mn = tonumber(redis.call('ZRANGE', P .. 'load', 0, 0, 'WITHSCORES')[2])
-  return l - mn > FAR * c.abs and l > c.rel * mn
+  return l - mn > (whole and WHOLE or FAR) * c.abs and l > c.rel * mn
 end
 
 -- The holders lists of the deepest and the first block of request i's prompt (read once,
@@ -211,17 +223,19 @@ local function exact_choice(i, c, hs, n)
   -- Depths less than a block of the coarser grid apart name the same prefix (each index
   -- drops its own partial last block): pooled.
   local tol = math.max(c.bs, c.kbs)
-  local pool = eset
+  local pool, depth = eset, etok
   if not eset or atok >= etok + tol then
-    pool = aset
+    pool, depth = aset, atok
   elseif aset and atok > etok - tol then
+    depth = math.max(etok, atok)
     local have = {}
     for _, id in ipairs(eset) do have[id] = true end
     for _, id in ipairs(aset) do
       if not have[id] then pool[#pool + 1] = id end
     end
   end
-  return least_of(pool, load)
+  -- The whole prompt: its deepest depth on either grid, within a block of the coarser one.
+  return least_of(pool, load), depth > math.max(kblocks * c.kbs, ablocks * c.bs) - tol
 end
 
 -- Whether any replica's exact index may be trusted (a deadline, perhaps past: exact_choice
@@ -239,16 +253,17 @@ local function choose(i)
   local hs = ARGV[i + OWN + 1]
   local n = #hs / HW
   if ARGV[i + OWN + 4] ~= '' and any_exact() then
-    local ties = exact_choice(i, c, hs, n)
+    local ties, whole = exact_choice(i, c, hs, n)
     if not ties then return least_loaded(rand) end
     local id = ties[rand % #ties + 1]
-    if hot(c, id) then return least_loaded(rand) end
+    if hot(c, id, whole) then return least_loaded(rand) end
     return id
   end
   if n == 0 then return least_loaded(rand) end
   local since = now - c.ttl
   local top = ends_of(i, hs, n)
   local ties = top and best_holders(top, since)
+  local whole = ties and true or false -- (a missing field reads as false, not nil)
   if not ties then
     local _, vals = holder_lists(i, hs, n)
     for k = n - 1, tonumber(ARGV[i + OWN + 2]), -1 do
@@ -259,7 +274,7 @@ local function choose(i)
   -- Checked only when a prefix would decide: without one the answer is least-loaded anyway.
   if not ties then return least_loaded(rand) end
   local id = ties[rand % #ties + 1]
-  if hot(c, id) then return least_loaded(rand) end
+  if hot(c, id, whole) then return least_loaded(rand) end
   return id
 end
 

@@ -26,17 +26,22 @@ Algorithm (the policy of SGLang's cache-aware router, on an approximate index in
    ``balance_abs_threshold`` and be more than ``balance_rel_threshold * m``, or exceed the
    least loaded count by more than 4 x ``balance_abs_threshold`` and be more than
    ``balance_rel_threshold`` times it (replicas that never received a shared prefix may be
-   fewer than half the pool, below the median); then the least-loaded replica gets it. The
+   fewer than half the pool, below the median); then the least-loaded replica gets it. A
+   request whose whole prompt the replica holds (its deepest hash: a GRPO group's samples, a
+   repeat) is judged against the least loaded count only, by more than 2 x
+   ``balance_abs_threshold``: sent elsewhere it would lose all of its prompt, not the share a
+   shared system prompt is, and while fewer groups than replicas are in flight the median is
+   0, so the first test would split every group larger than ``balance_abs_threshold``. The
    deepest hash is read first (a repeated prompt costs one HGET), the rest with one HMGET;
    the hot-spot test (ZCARD, two ZRANGE by rank, a ZSCORE) runs only when a prefix decides.
 
    SGLang's cache-aware router instead ignores prefixes whenever the pool's spread, max - min
    and max / min, exceeds its thresholds. Judging the replica the prefix picks, against the
-   median, keeps a GRPO group (n samples of one prompt, arriving together) on one replica
-   until that replica itself stands out, even while another replica is busy with long
-   sticky sessions, and moves it as soon as it does. With the spread test, small thresholds
-   split groups and large ones let whole groups pile onto one replica (the measured table is
-   in docs/prefix_cache.md).
+   median and the least loaded, keeps a GRPO group (n samples of one prompt, arriving
+   together) on one replica until that replica itself stands out, even while another
+   replica is busy with long sticky sessions, and moves it as soon as it does. With the
+   spread test, small thresholds split groups and large ones let whole groups pile onto one
+   replica (the measured table is in docs/prefix_cache.md).
 3. The same script records the prompt's hashes for the chosen replica (also on sticky turns;
    those it received in the last ``index_ttl / 16`` are not rewritten, so a hot prefix costs
    reads only) as one *write*: one HSET into the index hash and one LRU entry for the lot.
@@ -73,7 +78,10 @@ Options (YAML keys beside ``router_class``, or keyword arguments; the core's opt
   times the median, or exceeds the least loaded count by more than four times the first and
   is more than the second times it. At high load the relative one decides (a replica may
   carry 20 % more than the median for its prefixes); the absolute one lets small counts (3
-  against a median of 0) keep their prefix.
+  against a median of 0) keep their prefix. A repeat of a whole prompt (a GRPO group) stays
+  until it would exceed the least loaded count by more than twice the first: 8 with the
+  default, so a group of up to 9 samples stays whole on an idle pool (for groups of n, set
+  it to n / 2).
 - ``min_match`` (0.5): smallest fraction of the prompt's blocks a cached prefix must cover to
   override least-loaded (SGLang's ``cache_threshold``).
 - ``index_ttl`` (600 s): how long a replica is assumed to keep a block it received.

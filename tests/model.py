@@ -61,6 +61,7 @@ class PrefixPolicy:
 
 
 FAR = 4  # prefix_cache.lua: a replica this many times balance_abs over the least is hot
+WHOLE = 2  # ... and for a request whose whole prompt it holds, this many times (no median test)
 EJECT_AFTER = 2  # failures in a row that eject a replica (the fuzz balancers' eject_after)
 MAX_EJECTED = 0.5
 
@@ -170,34 +171,39 @@ class Model:
         least = self._relative_least(taking) if self.capacity else _least(taking, lo, hi)
         if self.router == "core" or not prompt.hashes:
             return least, 0
-        holders = self._prefix_holders(prompt, set(taking))
-        if holders is None:
+        found = self._prefix_holders(prompt, set(taking))
+        if found is None:
             return least, 0
+        holders, whole = found
         allowed: set[str] = set()
         for h in _least(sorted(holders), lo, hi):
-            hot = self._hot(taking, lo, hi, h)
+            hot = self._hot(taking, lo, hi, h, whole)
             if True in hot:
                 allowed |= least
             if False in hot:
                 allowed.add(h)
         return allowed, 0
 
-    def _prefix_holders(self, prompt: Prompt, taking: set[str]) -> set[str] | None:
+    def _prefix_holders(self, prompt: Prompt, taking: set[str]) -> tuple[set[str], bool] | None:
         """The replicas taking new sessions that received the deepest prefix of the prompt
-        that any of them received, among the deepest hash and those from ``first`` on."""
+        that any of them received, among the deepest hash and those from ``first`` on, and
+        whether that prefix is the whole prompt (its deepest hash)."""
         n = len(prompt.hashes)
         for k in [n, *range(n - 1, prompt.first - 1, -1)]:
             got = self.index.get(prompt.hashes[k - 1], set()) & taking
             if got:
-                return got
+                return got, k == n
         return None
 
-    def _hot(self, taking: list[str], lo: dict[str, int], hi: dict[str, int], h: str) -> set[bool]:
+    def _hot(
+        self, taking: list[str], lo: dict[str, int], hi: dict[str, int], h: str, whole: bool
+    ) -> set[bool]:
         """Whether one more request would make holder ``h`` a hot spot (its count then exceeds
         the median count of the replicas taking new sessions by more than balance_abs and is
         more than balance_rel times it, or exceeds the least count by more than FAR times
-        balance_abs and is more than balance_rel times it), for every count the replicas may
-        have: {True}, {False} or both."""
+        balance_abs and is more than balance_rel times it; for a request whose whole prompt
+        ``h`` holds, only the latter, with WHOLE), for every count the replicas may have:
+        {True}, {False} or both."""
         assert self.prefix is not None
         p = self.prefix
         if any(lo[s] != hi[s] for s in taking):
@@ -205,8 +211,9 @@ class Model:
         counts = sorted(hi[s] for s in taking)
         med, load, mn = counts[(len(counts) - 1) // 2], hi[h] + 1, counts[0]
         over_median = load - med > p.balance_abs and load > p.balance_rel * med
-        over_least = load - mn > FAR * p.balance_abs and load > p.balance_rel * mn
-        return {over_median or over_least}
+        far = WHOLE if whole else FAR
+        over_least = load - mn > far * p.balance_abs and load > p.balance_rel * mn
+        return {(over_median and not whole) or over_least}
 
     def check_batch(self, requests: list[tuple[str, str]]) -> None:
         """Raise NoServers if a batch is refused whole (before anything is written): with

@@ -119,14 +119,33 @@ def test_a_prefix_yields_where_its_replica_would_become_a_hot_spot(make_pc, r):
         balance_abs_threshold=2,
         balance_rel_threshold=1.5,
     )
-    p = prompt(6, 10)
-    lb.record_blocks("s0", lb.block_hashes(p))
-    got = [lb.acquire_server(f"g{k}", prompt_ids=p)[0] for k in range(4)]
+    shared = prompt(6, 12)
+    lb.record_blocks("s0", lb.block_hashes(shared))
+    # Each request shares 12 of its 16 blocks with what s0 holds (a system prompt).
+    got = [lb.acquire_server(f"g{k}", prompt_ids=shared + prompt(40 + k, 4))[0] for k in range(4)]
     # With the request, s0 would carry 1, then 2, over a median (the lower of two counts) of
     # 0: not more than 2 above it. 3 over 0 would be (3 > 0 + 2, 3 > 1.5 * 0): least loaded.
     # Then 3 over a median of 1 is within the thresholds again.
     assert got == ["s0", "s0", "s1", "s0"]
     assert invariants.check(r, lb.name) == {"s0": 3, "s1": 1}
+
+
+def test_a_repeat_of_a_whole_prompt_yields_only_far_above_the_least_loaded(make_pc, r):
+    """A GRPO group's samples repeat one prompt: sent elsewhere, a sample loses all of it, not
+    a share, so only the test against the least loaded (by more than 2 x abs) moves one."""
+    lb = make_pc(
+        {"s0": None, "s1": None},
+        record_on_acquire=False,
+        balance_abs_threshold=2,
+        balance_rel_threshold=1.5,
+    )
+    p = prompt(6, 12)
+    lb.record_blocks("s0", lb.block_hashes(p))
+    got = [lb.acquire_server(f"g-{k}", prompt_ids=p)[0] for k in range(6)]
+    # 4 over 0 is not more than 2 x 2; 5 over 0 is: least loaded. Then 5 over 1 is not (the
+    # median test alone would have moved the third: 3 over a median of 0).
+    assert got == ["s0"] * 4 + ["s1", "s0"]
+    assert invariants.check(r, lb.name) == {"s0": 5, "s1": 1}
 
 
 def test_a_busy_replica_elsewhere_does_not_scatter_a_group(make_pc, r):
@@ -137,12 +156,22 @@ def test_a_busy_replica_elsewhere_does_not_scatter_a_group(make_pc, r):
     for k in range(9):
         lb.acquire_server(f"busy{k}", prompt_ids=prompt(700 + k, 2))
     lb.undrain_servers(["s0", "s1", "s2"])
-    p = prompt(13, 10)
+    shared = prompt(13, 10)
     # 9 vs 0 in flight: the pool's spread is far past the thresholds (4, 1.2), yet the
-    # group's replica, up to 4 over the median of 0, is no hot spot.
-    placed = [lb.acquire_server(f"g-{k}", prompt_ids=p)[0] for k in range(4)]
+    # replica of a shared prefix, up to 4 over the median of 0, is no hot spot.
+    placed = [
+        lb.acquire_server(f"g-{k}", prompt_ids=shared + prompt(800 + k, 2))[0] for k in range(4)
+    ]
     assert len(set(placed)) == 1 and placed[0] != "s3"
-    assert lb.acquire_server("g-4", prompt_ids=p)[0] not in {placed[0], "s3"}  # 5 over 0 is
+    fifth = lb.acquire_server("g-4", prompt_ids=shared + prompt(804, 2))[0]
+    assert fifth not in {placed[0], "s3"}  # 5 over 0 is
+    # A group's samples (one whole prompt, repeated) stay together up to 8 over the least
+    # loaded replica (2 x 4), the busy one elsewhere notwithstanding. The group starts on the
+    # idle replica; the least loaded then carries the fifth request above.
+    p = prompt(14, 10)
+    group = [lb.acquire_server(f"h-{k}", prompt_ids=p)[0] for k in range(9)]
+    assert len(set(group)) == 1 and group[0] not in {placed[0], fifth, "s3"}
+    assert lb.acquire_server("h-9", prompt_ids=p)[0] == fifth  # 10 over 1 is more than 8
     invariants.check(r, lb.name)
 
 
@@ -154,7 +183,7 @@ def test_a_replica_without_the_prefix_is_not_left_idle(make_pc, r):
     p = prompt(14, 10)
     for sid in ("s0", "s1", "s2"):
         lb.record_blocks(sid, lb.block_hashes(p))
-    got = [lb.acquire_server(f"q{k}", prompt_ids=p)[0] for k in range(49)]
+    got = [lb.acquire_server(f"q{k}", prompt_ids=p + prompt(900 + k, 2))[0] for k in range(49)]
     assert "s3" not in got[:48] and got[48] == "s3"  # 17 over 0 is more than 16
     assert invariants.check(r, lb.name) == {"s0": 16, "s1": 16, "s2": 16, "s3": 1}
 

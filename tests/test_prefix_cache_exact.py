@@ -133,9 +133,23 @@ def test_imbalance_still_overrides_the_exact_index(make_pc, engines):
     es = engines(*SERVERS)
     p = prompt(6)
     es["s0"].store(p)
-    assert route(lb, p, keep=True) == "s0"
-    assert route(lb, p, keep=True) == "s0"  # s0 would carry 2 over a median of 0: not hot yet
-    assert route(lb, p, keep=True) != "s0"  # 3 over 0 would be: least-loaded wins
+    # Prompts that share p and go on (8 of their 10 blocks cached on s0).
+    assert route(lb, p + prompt(60, 2 * BLOCK), keep=True) == "s0"
+    # s0 would carry 2 over a median of 0: not hot yet
+    assert route(lb, p + prompt(61, 2 * BLOCK), keep=True) == "s0"
+    # 3 over 0 would be: least-loaded wins
+    assert route(lb, p + prompt(62, 2 * BLOCK), keep=True) != "s0"
+
+
+def test_a_whole_prompt_repeated_yields_only_far_above_the_least_loaded(make_pc, engines):
+    lb = make_pc(kv_event_lag=0, balance_abs_threshold=2, balance_rel_threshold=1.0)
+    es = engines(*SERVERS)
+    p = prompt(6)
+    es["s0"].store(p)
+    # A GRPO group's samples: the engine holds all of each; 4 over 0 is not more than 2 x 2
+    # (the median test alone would have moved the third).
+    assert [route(lb, p, keep=True) for _ in range(4)] == ["s0"] * 4
+    assert route(lb, p, keep=True) != "s0"  # 5 over 0 is
 
 
 def test_off_by_default_and_bad_options_are_refused(server):

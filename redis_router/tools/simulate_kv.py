@@ -269,7 +269,8 @@ def _oracle(
     """prefix_cache's rule on the true caches: the replica caching the longest prefix (at
     least min_match = 0.5 of the prompt), least loaded first, unless one more request would
     make it a hot spot (above the median count by more than 4 and 1.2 times it, or above the
-    least count by more than 16 and 1.2 times it)."""
+    least count by more than 16 and 1.2 times it; when it caches the whole prompt, only above
+    the least count by more than 8 and 1.2 times it)."""
     held = {sid: r.cached(hashes) for sid, r in replicas.items()}
     top = max(held.values())
     best: list[str] = []
@@ -280,7 +281,10 @@ def _oracle(
         pick = rng.choice(sorted(s for s in best if load[s] == least))
         counts = sorted(load.values())
         med, mn, n = counts[(len(counts) - 1) // 2], counts[0], load[pick] + 1
-        if not (n - med > 4 and n > 1.2 * med) and not (n - mn > 16 and n > 1.2 * mn):
+        if top == len(hashes):
+            if not (n - mn > 8 and n > 1.2 * mn):
+                return pick
+        elif not (n - med > 4 and n > 1.2 * med) and not (n - mn > 16 and n > 1.2 * mn):
             return pick
     least = min(load.values())
     return rng.choice(sorted(s for s in load if load[s] == least))
