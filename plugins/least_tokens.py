@@ -13,6 +13,19 @@ Declares ``prompt_ids`` for acquire (the weight) and ``request_id`` for release 
 release ends that request's lease and subtracts its weight, not another's). A request sent
 without ``prompt_ids`` weighs 0: it is counted as a request but not as tokens.
 
+Remaining work (``remaining_work=True``, off by default): a lease weighs what is left of its
+request's work, ``round(prefill_weight * len(prompt_ids)) + expected_output_tokens``, the second
+an acquire field this option declares (a non-negative int; absent: 0), and a caller reports
+progress with ``lease.renew(remaining=policy.weigh(prompt_ids, output_left))``, which sets the
+lease's weight (its record, the replica's total) to that value in one script. The prompt part
+stays for the lease's life (its context holds KV memory until the request ends); the output
+part counts down. ``prefill_weight`` (default 1.0, any number from 0 to 1000) values a prompt
+token against an output token: 1.0 weighs contexts as the plain policy does, a small value
+(an engine's prefill cost per token over its decode cost per token) weighs the work to do.
+Off, weights and script arguments are the plain policy's. Every process sharing a balancer
+should use the same options: mixed weights keep every invariant (each lease carries its own
+weight) but rank replicas by mixed units.
+
 Use: ``get_router_handle(servers, "plugins/least_tokens.yaml")``, ``policy="least_tokens"`` on
 any balancer, or the classes below.
 """
@@ -23,12 +36,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from redis_router import validation
 from redis_router.aio import AsyncRedisLoadBalancer
 from redis_router.balancer import RedisLoadBalancer
 from redis_router.policy import RoutingPolicy
 
 # Weights travel as Lua numbers (doubles): integers are exact far beyond any prompt length.
-MAX_WEIGHT = 2**40
+MAX_WEIGHT = validation.MAX_WEIGHT
+# The acquire field remaining_work declares: the output tokens a request is expected to make.
+OUTPUT_FIELD = "expected_output_tokens"
+MAX_PREFILL_WEIGHT = 1000.0
 
 
 def weight(prompt_ids: Any) -> int:
@@ -56,12 +73,52 @@ class LeastTokens(RoutingPolicy):
 
     name = "least_tokens"
     script_path = Path(__file__).with_name("least_tokens.lua")
-    acquire_fields = ("prompt_ids",)
+    acquire_fields: tuple[str, ...] = ("prompt_ids",)
     release_fields = ("request_id",)
     arity = 1
 
+    def __init__(self, *, remaining_work: bool = False, prefill_weight: float = 1.0) -> None:
+        self.remaining_work = validation.flag(remaining_work, "remaining_work")
+        if isinstance(prefill_weight, bool) or not isinstance(prefill_weight, (int, float)):
+            raise TypeError(
+                f"prefill_weight must be a number from 0 to {MAX_PREFILL_WEIGHT:g} (weight of "
+                f"a prompt token against an output token), got {type(prefill_weight).__name__}"
+            )
+        if not 0 <= prefill_weight <= MAX_PREFILL_WEIGHT:  # NaN fails both
+            raise ValueError(
+                f"prefill_weight must be a number from 0 to {MAX_PREFILL_WEIGHT:g} (weight of "
+                f"a prompt token against an output token), got {prefill_weight!r}"
+            )
+        if prefill_weight != 1.0 and not self.remaining_work:
+            raise ValueError("prefill_weight applies only with remaining_work=True")
+        self.prefill_weight = float(prefill_weight)
+        if self.remaining_work:
+            self.acquire_fields = ("prompt_ids", OUTPUT_FIELD)
+
     def request_args(self, fields: Mapping[str, Any]) -> tuple[str, ...]:
-        return (str(weight(fields.get("prompt_ids"))),)
+        if not self.remaining_work:
+            return (str(weight(fields.get("prompt_ids"))),)
+        out = fields.get(OUTPUT_FIELD)
+        return (str(self.weigh(fields.get("prompt_ids"), 0 if out is None else out, OUTPUT_FIELD)),)
+
+    def weigh(self, prompt_ids: Any, output_tokens: int, arg: str = "output_tokens") -> int:
+        """The weight of a request with this prompt and ``output_tokens`` output tokens still
+        to make: ``round(prefill_weight * len(prompt_ids)) + output_tokens``. What to pass as
+        a lease's ``remaining`` when renewing it (``output_tokens``: the expected output less
+        what the request has made so far, never below 0)."""
+        n = validation.weight(output_tokens, arg)
+        p = weight(prompt_ids)
+        total = (p if self.prefill_weight == 1.0 else round(self.prefill_weight * p)) + n
+        if total > MAX_WEIGHT:
+            raise ValueError(
+                f"{arg} ({n}) with the prompt's weight makes {total}; at most {MAX_WEIGHT}"
+            )
+        return total
+
+    def options(self) -> dict[str, Any]:
+        if not self.remaining_work:
+            return {}
+        return {"remaining_work": True, "prefill_weight": self.prefill_weight}
 
 
 class LeastTokensRouter(RedisLoadBalancer):

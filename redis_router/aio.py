@@ -114,11 +114,14 @@ class AsyncLease:
         self.server_id, self.handle = grant.server_id, grant.handle
         self.request_id, self.token, self.sticky = grant.request_id, grant.token, grant.sticky
 
-    async def renew(self) -> bool:
-        """Restart the lease's age (see Lease.renew). False if the lease is already gone."""
+    async def renew(self, remaining: int | None = None) -> bool:
+        """Restart the lease's age and, with ``remaining``, set its weight (see Lease.renew).
+        False if the lease is already gone."""
         if self._released:
+            if remaining is not None:
+                validation.weight(remaining, "remaining")
             return False
-        return await self._balancer._run(self._balancer._core.renew(self.token))
+        return await self._balancer._run(self._balancer._core.renew(self.token, remaining))
 
     def release(self) -> AsyncReleased:
         """End the lease without waiting for Redis (see release_server); ``await`` it for the

@@ -62,10 +62,17 @@ class Lease:
         self.server_id, self.handle = grant.server_id, grant.handle
         self.request_id, self.token, self.sticky = grant.request_id, grant.token, grant.sticky
 
-    def renew(self) -> bool:
+    def renew(self, remaining: int | None = None) -> bool:
         """Restart the lease's age, for a request that may outlive max_lease_age (liveness
-        needs no renewal). False if the lease is already gone."""
-        return not self._released and self._balancer._run(self._balancer._core.renew(self.token))
+        needs no renewal). ``remaining``: the lease's weight from now on, what is left of its
+        work in its policy's units (least_tokens with remaining_work: ``policy.weigh(...)``);
+        absolute, so sending it twice changes nothing more. False if the lease is already
+        gone (nothing is written)."""
+        if self._released:
+            if remaining is not None:
+                validation.weight(remaining, "remaining")
+            return False
+        return self._balancer._run(self._balancer._core.renew(self.token, remaining))
 
     def release(self) -> Released[bool]:
         """End the lease, without waiting for Redis (see ``release_server``). Its result,

@@ -744,11 +744,18 @@ class BalancerCore:
         finally:
             self._answered(names)
 
-    def renew(self, token: str) -> Op[bool]:
-        """Restart the lease's age (max_lease_age); liveness needs no renewal."""
+    def renew(self, token: str, remaining: int | None = None) -> Op[bool]:
+        """Restart the lease's age (max_lease_age); liveness needs no renewal. ``remaining``:
+        the lease's weight from now on, what is left of its work in its policy's units
+        (least_tokens: :meth:`~redis_router.plugins.least_tokens.LeastTokens.remaining`); an
+        absolute value, so a resent renew changes nothing more. None keeps the weight."""
+        if remaining is None:
+            args: tuple[str, ...] = (token,)
+        else:
+            args = (token, str(validation.weight(remaining, "remaining")))
         if token in self.held:
             self.held[token] = time.monotonic()
-        return bool((yield Call(load("renew"), (token,))) == 1)
+        return bool((yield Call(load("renew"), args)) == 1)
 
     def reconcile(self) -> Op[int]:
         """End the leases Redis counts for this holder but the process no longer holds: a

@@ -40,7 +40,8 @@ class RoutingPolicy:
 
     name: ClassVar[str] = "policy"
     script_path: ClassVar[Path | None] = None  # None: the core's acquire.lua
-    acquire_fields: ClassVar[tuple[str, ...]] = ()
+    # A class attribute; a policy whose options add fields sets its own on the instance.
+    acquire_fields: tuple[str, ...] = ()
     release_fields: ClassVar[tuple[str, ...]] = ()
     arity: ClassVar[int] = 0
     # Keys (suffixes after the balancer's prefix) that record what the replicas' KV caches

@@ -6,9 +6,10 @@ Every check runs before anything is sent to Redis, so bad input changes nothing 
 from __future__ import annotations
 
 import math
+import operator
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, SupportsIndex
 
 MAX_REQUEST_ID_BYTES = 512
 MAX_SERVER_ID_BYTES = 256
@@ -107,3 +108,19 @@ def flag(value: object, arg: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{arg} must be a bool, got {type(value).__name__}")
     return value
+
+
+# A lease's weight (a weighing policy's unit, e.g. tokens) travels as a Lua number (a double):
+# integers are exact far beyond any prompt or output length.
+MAX_WEIGHT = 2**40
+
+
+def weight(value: object, arg: str) -> int:
+    """A non-negative integer count of tokens (or of a policy's weight units), at most
+    MAX_WEIGHT; a bool is refused (True is no count)."""
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+        raise TypeError(f"{arg} must be an int >= 0 (tokens), got {type(value).__name__}")
+    n = operator.index(value)  # int, or an integer type such as numpy's
+    if not 0 <= n <= MAX_WEIGHT:
+        raise ValueError(f"{arg} must be an int from 0 to {MAX_WEIGHT} (tokens), got {n}")
+    return n

@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import re
+from typing import Any
 
 import pytest
 
@@ -148,7 +149,33 @@ def test_rl_trade_moves_sessions_only_with_a_margin_or_the_gate(server):
         # the longest session's own chain is a floor under every run's step time
         assert 0 < r.chain_ratio <= r.bound_ratio
     assert rows[("grpo", "groups, cap 8")].hit_rate > rows[("grpo", "sticky only")].hit_rate
+    # remaining work without a margin moves nothing: what it changes is where sessions start
+    assert rows[("agent", "least-tokens, remaining work (session's output)")].repins == 0
     assert simulate_rl.sparse_balance(server.url, 1) >= 1.0  # the busiest is at least the mean
+
+
+def test_rl_remaining_work_estimates_and_renewals(server, monkeypatch):
+    """What the harness expects of a turn (the true output, that off by 0.5-2x, the session's
+    output from the turn on), and the row renews its running leases with what is left."""
+    from redis_router import balancer
+    from redis_router.tools import simulate_rl as sim
+
+    turns = [(10, 100), (10, 200), (10, 300)]
+    assert sim._expected("true", 1, 0, 1, turns) == 200
+    assert sim._expected("session", 1, 0, 1, turns) == 500
+    noisy = sim._expected("noisy", 1, 0, 1, turns)
+    assert 100 <= noisy <= 400 and noisy == sim._expected("noisy", 1, 0, 1, turns)
+    sent: list[int] = []
+    real = balancer.Lease.renew
+
+    def spy(self: Any, remaining: int | None = None) -> bool:
+        assert remaining is not None
+        sent.append(remaining)
+        return real(self, remaining)
+
+    monkeypatch.setattr(balancer.Lease, "renew", spy)
+    row = sim.run_row(server.url, "grpo", "rw", "least-tokens", {"expect": "true"}, 1, True)
+    assert sent and min(sent) >= 0 and row.makespan > 0
 
 
 def test_sparse_sessions_spread_over_the_pinned_ones(server):

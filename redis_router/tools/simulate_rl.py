@@ -21,6 +21,14 @@ one in five 16-30; each turn adds 1-4k tokens of observations, so the long ones 
 50-100k), started together, a tool call of 0.5-2 s between turns. ``grpo``: prompts sampled
 GROUP = 8 times (request ids "prompt<k>-s<j>", group_by "-"), two turns each.
 
+Remaining work (least_tokens' ``remaining_work``): the harness passes each turn's
+``expected_output_tokens`` at acquire and, every RENEW_EVERY seconds, renews each running
+lease with what is left (``policy.weigh(prompt, expected - made)``, never below 0). What it
+expects is one of ESTIMATES: the turn's true output (an oracle), that times a factor drawn
+from 0.5-2 (a noisy estimate), or the session's whole remaining output, this turn's and its
+later turns' (a harness that knows how long a task runs, as for engine priority).
+``prefill_weight`` PREFILL_COST weighs a prompt token as the model's engines cost it.
+
 Columns: step time (makespan: the last session's end) and its ratio to the work bound (the
 work the row's requests cost, prefill included, over the pool's capacity, REPLICAS *
 CAPACITY: the step time of a pool that never idles a unit; turns wait for each other and
@@ -74,6 +82,26 @@ ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     # Each lease weighed by its prompt tokens (a long session's context is long) rather than
     # counted: what placing by a lease's own work gives.
     ("least-tokens, margin 1", "least-tokens", {"affinity_margin": 1}),
+    # Remaining work (least_tokens' remaining_work, prefill_weight PREFILL_COST): a lease
+    # weighs its prompt's prefill and the output expected of it (ESTIMATES), renewed with
+    # progress every RENEW_EVERY seconds. The first row is its baseline: least_tokens, sticky.
+    ("least-tokens, sticky only", "least-tokens", {}),
+    (
+        "least-tokens, remaining work (true output), margin 1",
+        "least-tokens",
+        {"affinity_margin": 1, "expect": "true"},
+    ),
+    (
+        "least-tokens, remaining work (output x0.5-2), margin 1",
+        "least-tokens",
+        {"affinity_margin": 1, "expect": "noisy"},
+    ),
+    ("least-tokens, remaining work (session's output)", "least-tokens", {"expect": "session"}),
+    (
+        "least-tokens, remaining work (session's output), margin 1",
+        "least-tokens",
+        {"affinity_margin": 1, "expect": "session"},
+    ),
     ("every option", "least-loaded", {"affinity_margin": 1, "group_by": "-", "group_cap": 4}),
     # The balance floor of routing at acquire time: every turn to the least loaded replica
     # unless its own is tied with it (margin 0), no groups.
@@ -99,9 +127,23 @@ ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         "least-tokens",
         {"affinity_margin": 2, "engine_priority": True},
     ),
+    (
+        "least-tokens, remaining work (true output), margin 1, engines prioritise long sessions",
+        "least-tokens",
+        {"affinity_margin": 1, "expect": "true", "engine_priority": True},
+    ),
+    (
+        "least-tokens, remaining work (session's output), engines prioritise long sessions",
+        "least-tokens",
+        {"expect": "session", "engine_priority": True},
+    ),
 )
 # The harness's hint for "engine_priority": a session with at least this many turns is long.
 LONG_TURNS = 16
+# Remaining-work rows: how often (virtual seconds) the harness renews each running lease with
+# what is left of it, and what it expects of a turn's output.
+RENEW_EVERY = 2.0
+ESTIMATES = ("true", "noisy", "session")
 
 
 @dataclass
@@ -177,8 +219,13 @@ def run_row(url: str, workload: str, row: str, router: str, opts: dict[str, Any]
     servers = {f"r{i}": None for i in range(REPLICAS)}
     name = f"rl-{secrets.token_hex(3)}"
     gate = opts if router == "gate" else None
-    kw = {} if gate else {k: v for k, v in opts.items() if k != "engine_priority"}
+    kw = {} if gate else {k: v for k, v in opts.items() if k not in ("engine_priority", "expect")}
     priority = bool(opts.get("engine_priority"))
+    expect = opts.get("expect")  # remaining work: one of ESTIMATES, None = off
+    if expect is not None:
+        assert expect in ESTIMATES and router == "least-tokens", (row, expect)
+        kw["remaining_work"] = True
+        kw.setdefault("prefill_weight", PREFILL_COST)
     if router == "prefix-cache":
         from ..plugins.prefix_cache import PrefixCacheRouter
 
@@ -192,12 +239,16 @@ def run_row(url: str, workload: str, row: str, router: str, opts: dict[str, Any]
     else:
         lb = RedisLoadBalancer(servers, redis=url, name=name, rng=random.Random(seed), **kw)
     wants_prompt = "prompt_ids" in lb.require_acquire_fields()
+    weigh = getattr(lb.policy, "weigh", None)  # least_tokens: a lease's remaining weight
     replicas = {sid: _Replica() for sid in servers}
     todo = sessions(workload, seed, quick)
     # (time, order, session index, turn index): a turn becomes ready
     ready = [(s.start, k, k, 0) for k, s in enumerate(todo)]
     heapq.heapify(ready)
     running: dict[int, list[Any]] = {}  # session -> [replica, work left, turn]
+    # remaining work: session -> (lease, prompt, its work at acquire, output expected)
+    weighed: dict[int, tuple[Any, list[int], float, int]] = {}
+    t_renew = RENEW_EVERY if expect is not None else None
     chain = [s.start + sum(out for _, out in s.turns) / PER_REQUEST for s in todo]
     order = len(todo)
     now, finished, tail_from = 0.0, 0, len(todo) // 2
@@ -219,6 +270,8 @@ def run_row(url: str, workload: str, row: str, router: str, opts: dict[str, Any]
             )
             t_ready = ready[0][0] if ready else None
             t_next = min(t for t in (t_done, t_ready) if t is not None)
+            if t_renew is not None and t_renew < t_next:
+                t_next = t_renew
             dt = t_next - now
             total = sum(counts.values())
             if finished >= tail_from and total >= REPLICAS and dt > 0:
@@ -227,8 +280,17 @@ def run_row(url: str, workload: str, row: str, router: str, opts: dict[str, Any]
             for k, job in running.items():
                 job[1] -= dt * rate[k]
             now = t_next
+            if t_renew is not None and weigh is not None and now >= t_renew:
+                t_renew = now + RENEW_EVERY
+                for k, job in running.items():
+                    if job[1] > 1e-9:
+                        lease, prompt, work, expected = weighed[k]
+                        out = todo[k].turns[job[2]][1]
+                        made = round(out * (1 - job[1] / work)) if work else out
+                        lease.renew(remaining=weigh(prompt, max(0, expected - made)))
             for k in [k for k, job in running.items() if job[1] <= 1e-9]:
                 rep, _, turn = running.pop(k)
+                weighed.pop(k, None)
                 s = todo[k]
                 lb.release_server(rep, f"{s.rid}#{s.epoch}" if s.epoch else s.rid)
                 if turn + 1 < len(s.turns):
@@ -247,7 +309,14 @@ def run_row(url: str, workload: str, row: str, router: str, opts: dict[str, Any]
                 rid = f"{s.rid}#{s.epoch}" if s.epoch else s.rid
                 prompt = [*s.context, *_tokens(s.prompt if turn == 0 else rid, turn, new)]
                 fields: dict[str, Any] = {"prompt_ids": prompt} if wants_prompt else {}
-                rep, _ = lb.acquire_server(rid, **fields)
+                if expect is not None:
+                    fields["expected_output_tokens"] = expected = _expected(
+                        expect, seed, k, turn, s.turns
+                    )
+                    lease = lb.acquire(rid, **fields)
+                    rep = lease.server_id
+                else:
+                    rep, _ = lb.acquire_server(rid, **fields)
                 cache = replicas[rep]
                 key = s.prompt if workload == "grpo" and turn == 0 else s.rid
                 held = min(cache.holds(key), len(prompt))
@@ -258,6 +327,8 @@ def run_row(url: str, workload: str, row: str, router: str, opts: dict[str, Any]
                 work = out + PREFILL_COST * (len(prompt) - held)
                 work_total += work
                 running[k] = [rep, work, turn]
+                if expect is not None:
+                    weighed[k] = (lease, prompt, work, expected)
                 output = _tokens(rid, turn + 1000, out)
                 s.context = prompt + output
                 s.replica = rep
@@ -309,6 +380,18 @@ def _rates(
                 share = min(PER_REQUEST, left / len(jobs))
                 out.update(dict.fromkeys(jobs, share * slow))
                 left -= share * len(jobs)
+    return out
+
+
+def _expected(expect: str, seed: int, session: int, turn: int, turns: list[tuple[int, int]]) -> int:
+    """The output the harness expects of a turn (remaining-work rows, ESTIMATES): its true
+    output, that times a factor from 0.5-2 (a function of seed, session and turn), or the
+    session's output from this turn to its last."""
+    out = turns[turn][1]
+    if expect == "noisy":
+        return round(out * random.Random(f"est:{seed}:{session}:{turn}").uniform(0.5, 2))
+    if expect == "session":
+        return sum(o for _, o in turns[turn:])
     return out
 
 
