@@ -747,7 +747,7 @@ class BalancerCore:
     def renew(self, token: str, remaining: int | None = None) -> Op[bool]:
         """Restart the lease's age (max_lease_age); liveness needs no renewal. ``remaining``:
         the lease's weight from now on, what is left of its work in its policy's units
-        (least_tokens: :meth:`~redis_router.plugins.least_tokens.LeastTokens.remaining`); an
+        (least_tokens: :meth:`~redis_router.plugins.least_tokens.LeastTokens.weigh`); an
         absolute value, so a resent renew changes nothing more. None keeps the weight."""
         if remaining is None:
             args: tuple[str, ...] = (token,)
