@@ -112,15 +112,21 @@ def test_short_match_below_min_match_is_ignored(make_pc):
     assert seen == set(SERVERS)  # 4 of 20 blocks: least-loaded spreads them
 
 
-def test_a_prefix_yields_where_its_replica_would_become_a_hot_spot(make_pc, r):
+def _s0_holding(make_pc: Callable[..., PrefixCacheRouter], tokens: list[int]) -> PrefixCacheRouter:
+    """Two idle replicas, s0 recorded as holding ``tokens``; thresholds 2 and 1.5."""
     lb = make_pc(
         {"s0": None, "s1": None},
         record_on_acquire=False,
         balance_abs_threshold=2,
         balance_rel_threshold=1.5,
     )
+    lb.record_blocks("s0", lb.block_hashes(tokens))
+    return lb
+
+
+def test_a_prefix_yields_where_its_replica_would_become_a_hot_spot(make_pc, r):
     shared = prompt(6, 12)
-    lb.record_blocks("s0", lb.block_hashes(shared))
+    lb = _s0_holding(make_pc, shared)
     # Each request shares 12 of its 16 blocks with what s0 holds (a system prompt).
     got = [lb.acquire_server(f"g{k}", prompt_ids=shared + prompt(40 + k, 4))[0] for k in range(4)]
     # With the request, s0 would carry 1, then 2, over a median (the lower of two counts) of
@@ -133,14 +139,8 @@ def test_a_prefix_yields_where_its_replica_would_become_a_hot_spot(make_pc, r):
 def test_a_repeat_of_a_whole_prompt_yields_only_far_above_the_least_loaded(make_pc, r):
     """A GRPO group's samples repeat one prompt: sent elsewhere, a sample loses all of it, not
     a share, so only the test against the least loaded (by more than 2 x abs) moves one."""
-    lb = make_pc(
-        {"s0": None, "s1": None},
-        record_on_acquire=False,
-        balance_abs_threshold=2,
-        balance_rel_threshold=1.5,
-    )
     p = prompt(6, 12)
-    lb.record_blocks("s0", lb.block_hashes(p))
+    lb = _s0_holding(make_pc, p)
     got = [lb.acquire_server(f"g-{k}", prompt_ids=p)[0] for k in range(6)]
     # 4 over 0 is not more than 2 x 2; 5 over 0 is: least loaded. Then 5 over 1 is not (the
     # median test alone would have moved the third: 3 over a median of 0).
