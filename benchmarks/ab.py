@@ -12,6 +12,9 @@ Measured per run, as the benchmark's rows (1) and (5) do:
   per pair, and the Redis server time per pair (``INFO commandstats``, every command);
 - ``apair``: the same with an asyncio balancer, one session (the release not awaited, as a
   caller that goes on does): wall time and the process's CPU time per pair;
+- ``ahttp``: as the peers benchmark's asyncio row: one asyncio session sends each request to a
+  fake replica (benchmarks.peers_http), routed (acquire, the request, the release not awaited)
+  and direct, in alternating blocks in one process; the p50 of each and the routed p50's excess;
 - ``throughput``: 4 processes x 8 asyncio sessions (coalesced, then ``coalesce=False``);
   pairs per second, the processes' own CPU time per pair, and Redis's CPU time per pair
   (``INFO cpu``): on a machine whose cores the clients share with Redis, their sum is what
@@ -24,6 +27,7 @@ per-round ratios after / before (the load moves between rounds, less within one)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -39,6 +43,8 @@ import redis
 from redis_router.local_server import LocalServer, first_server_binary
 
 from .compare import HERE, worktree
+from .peers_gateways import free_port
+from .peers_http import FakeReplicas
 
 NAME = "bench-ab"
 REPLICAS = 8
@@ -49,8 +55,9 @@ SESSIONS = 8
 _SETUP = """
 import sys
 from redis_router import RedisLoadBalancer
-url, name, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-RedisLoadBalancer({f"s{i}": f"http://h{i}" for i in range(n)}, redis=url, name=name).close()
+url, name, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
+urls = rest if len(rest) > 1 else [f"http://h{i}" for i in range(int(rest[0]))]
+RedisLoadBalancer({f"s{i}": u for i, u in enumerate(urls)}, redis=url, name=name).close()
 """
 
 _PAIR = """
@@ -84,6 +91,45 @@ async def main():
         for rid in ids[200:]:
             lb.release_server((await lb.acquire_server(rid))[0], rid)
         return (time.perf_counter() - t) / n, (time.process_time() - cpu) / n
+
+print(json.dumps(asyncio.run(main())))
+"""
+
+_AHTTP = """
+import asyncio, json, statistics, sys, time, uuid
+from redis_router import AsyncRedisLoadBalancer
+from benchmarks.peers_http import AsyncClient, completion_body
+url, name, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+urls = sys.argv[4:]
+servers = {f"s{i}": u for i, u in enumerate(urls)}
+BODY, PATH = completion_body("hello", 1), "/v1/completions"
+
+async def main():
+    client = AsyncClient()
+    async with AsyncRedisLoadBalancer(redis=url, name=name) as lb:
+        async def routed(k):
+            rid = uuid.uuid4().hex
+            sid, _ = await lb.acquire_server(rid)
+            try:
+                await client.post(servers[sid], PATH, BODY)
+            finally:
+                lb.release_server(sid, rid)
+
+        async def direct(k):
+            await client.post(urls[k % len(urls)], PATH, BODY)
+
+        lat = {"routed": [], "direct": []}
+        block = max(50, n // 6)
+        for b in range(13):  # a warm-up block, then 6 of each, alternating
+            for name_, fn in (("routed", routed), ("direct", direct))[:: 1 if b % 2 else -1]:
+                for k in range(block):
+                    t = time.perf_counter()
+                    await fn(k)
+                    if b:
+                        lat[name_].append(time.perf_counter() - t)
+        p50 = {k: statistics.median(v) * 1e6 for k, v in lat.items()}
+        await client.close()
+        return p50["routed"], p50["direct"]
 
 print(json.dumps(asyncio.run(main())))
 """
@@ -151,6 +197,12 @@ def apair(tree: Path, url: str, n: int) -> dict[str, float]:
     return {"apair_us": wall * 1e6, "apair_client_cpu_us": cpu * 1e6}
 
 
+def ahttp(tree: Path, url: str, n: int, urls: list[str]) -> dict[str, float]:
+    proc = _python(tree, _AHTTP, url, NAME, str(n), *urls, stdout=subprocess.PIPE)
+    routed, direct = json.loads(proc.communicate()[0])
+    return {"ahttp_p50_us": routed, "ahttp_added_p50_us": routed - direct}
+
+
 def throughput(
     tree: Path, r: redis.Redis, url: str, seconds: float, coalesce: bool
 ) -> dict[str, float]:
@@ -182,14 +234,24 @@ def throughput(
     }
 
 
-def measure(tree: Path, r: redis.Redis, url: str, args: argparse.Namespace) -> dict[str, float]:
-    out = pair(tree, r, url, args.pairs)
-    out.update(apair(tree, url, args.pairs))
+def measure(
+    tree: Path, r: redis.Redis, url: str, args: argparse.Namespace, urls: list[str]
+) -> dict[str, float]:
+    out: dict[str, float] = {}
+    if "pair" in args.only:
+        out.update(pair(tree, r, url, args.pairs))
+    if "apair" in args.only:
+        out.update(apair(tree, url, args.pairs))
+    if "ahttp" in args.only:
+        out.update(ahttp(tree, url, args.pairs, urls))
+    if "throughput" not in args.only:
+        return out
     out.update(throughput(tree, r, url, args.seconds, True))
     out.update(throughput(tree, r, url, args.seconds, False))
     return out
 
 
+MEASURES = ("pair", "apair", "ahttp", "throughput")
 UNITS = {"_per_s": "/s", "_us": " us"}
 
 
@@ -199,7 +261,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=6, help="runs of each tree (default 6)")
     ap.add_argument("--seconds", type=float, default=5.0, help="one throughput run (default 5)")
     ap.add_argument("--pairs", type=int, default=3000, help="pairs of one pair run (default 3000)")
+    ap.add_argument(
+        "--only",
+        default=",".join(MEASURES),
+        help=f"comma-separated measures (default: all of {', '.join(MEASURES)})",
+    )
     args = ap.parse_args(argv)
+    args.only = set(args.only.split(","))
+    if unknown := args.only - set(MEASURES):
+        ap.error(f"--only: unknown {', '.join(sorted(unknown))}; allowed: {', '.join(MEASURES)}")
     binary = first_server_binary()
     if binary is None:
         raise SystemExit("no redis-server / valkey-server found (see redis_router.local_server)")
@@ -208,14 +278,22 @@ def main(argv: list[str] | None = None) -> int:
         tempfile.TemporaryDirectory() as tmp,
         LocalServer(binary) as server,
         worktree(args.rev, Path(tmp) / "before") as before,
+        contextlib.ExitStack() as stack,
     ):
+        urls: list[str] = []
+        if "ahttp" in args.only:
+            replicas = FakeReplicas([free_port() for _ in range(REPLICAS)])
+            stack.callback(replicas.close)
+            urls = replicas.urls
         trees = {"before": before, "after": HERE}
         r = redis.Redis.from_url(server.url, decode_responses=True)
-        _python(HERE, _SETUP, server.url, NAME, str(REPLICAS)).wait()  # one pool for both
+        _python(
+            HERE, _SETUP, server.url, NAME, *urls or [str(REPLICAS)]
+        ).wait()  # one pool for both
         for k in range(args.rounds):
             order = ["before", "after"] if k % 2 == 0 else ["after", "before"]
             for label in order:
-                runs[label].append(measure(trees[label], r, server.url, args))
+                runs[label].append(measure(trees[label], r, server.url, args, urls))
                 print(f"  round {k + 1}: {label} {runs[label][-1]}", file=sys.stderr, flush=True)
     print(
         f"before = {args.rev}, after = this checkout; {binary.label}; "
