@@ -663,7 +663,9 @@ class AsyncRedisLoadBalancer:
             if not self._outgoing:
                 loop.call_soon(self._write_releases)
             self._outgoing.append(((server_id, request_id, token, failed), future))
-        elif self._releases is None:
+            self._posted.add(future)  # until _settled(), where its outcome is taken
+            return AsyncReleased(future)
+        if self._releases is None:
             future = asyncio.ensure_future(
                 self._run(self._core.release(server_id, request_id, token, failed))
             )
@@ -686,6 +688,7 @@ class AsyncRedisLoadBalancer:
             except BaseException as exc:
                 op.close()
                 _settle_all(futures, None, exc)
+                self._settled(futures)
                 continue
             pipe = self._pipe
             handle = functools.partial(self._release_answered, op, call, futures)
@@ -701,6 +704,7 @@ class AsyncRedisLoadBalancer:
             self._later(self._release_ordinary(op, call, futures))
             return
         _released(op, reply, futures)
+        self._settled(futures)
 
     async def _release_ordinary(
         self, op: Op[list[bool]], call: Call, futures: list[asyncio.Future[bool]]
@@ -712,8 +716,10 @@ class AsyncRedisLoadBalancer:
         except Exception as exc:
             op.close()
             _settle_all(futures, None, exc)
+            self._settled(futures)
             return
         _released(op, reply, futures)
+        self._settled(futures)
 
     def _later(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)
@@ -724,6 +730,14 @@ class AsyncRedisLoadBalancer:
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         future.set_result(result)
         return AsyncReleased(future)
+
+    def _settled(self, futures: list[asyncio.Future[bool]]) -> None:
+        """Releases written on the pipe were answered (see :meth:`_answered`)."""
+        posted = self._posted
+        for future in futures:
+            posted.discard(future)
+            if not future.cancelled() and future.exception() is not None:
+                log.debug("a release nobody awaited failed: %s", future.exception())
 
     def _answered(self, future: asyncio.Future[bool]) -> None:
         """A posted release was answered. One that failed (Redis unreachable) is left to the

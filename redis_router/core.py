@@ -591,9 +591,10 @@ class BalancerCore:
         ):
             given = fields if fields is not None else [_NO_FIELDS] * n
             args = [self.request_args(rid, f) for rid, f in zip(request_ids, given, strict=True)]
-        if n == 1 and args is None and (tokens is None or len(tokens) == 1):
+        if n == 1 and (args is None or len(args) == 1) and (tokens is None or len(tokens) == 1):
             token = tokens[0] if tokens else new_token()  # the common case, without loops
-            argv = (*head, request_ids[0], token, str(rand(RAND_BITS)), "")
+            extra = args[0] if args is not None else ("",)
+            argv = (*head, request_ids[0], token, str(rand(RAND_BITS)), *extra)
             sid, meta, how = yield Call(script, argv)
             sid = _str(sid)
             self.held[token] = time.monotonic()

@@ -54,7 +54,7 @@ def _pack_command(self: Any, *args: Any) -> list[bytes]:
     # A script call's arguments are strings and integers: straight to hiredis. Anything else
     # (a float, a view, a command name of two words, a value redis-py refuses) goes through
     # redis-py's serializer, which converts, splits or refuses it as it always has.
-    if type(args[0]) is str and " " not in args[0] and all(type(a) in _PLAIN for a in args):
+    if type(args[0]) is str and " " not in args[0] and _PLAIN.issuperset(map(type, args)):
         return [_hiredis_pack(args)]
     packed: list[bytes] = _SERIALIZER.pack(*args)
     return packed
