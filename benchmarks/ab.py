@@ -15,6 +15,11 @@ Measured per run, as the benchmark's rows (1) and (5) do:
 - ``ahttp``: as the peers benchmark's asyncio row: one asyncio session sends each request to a
   fake replica (benchmarks.peers_http), routed (acquire, the request, the release not awaited)
   and direct, in alternating blocks in one process; the p50 of each and the routed p50's excess;
+- ``instructions``: the asyncio pair's client instructions, counted by valgrind's callgrind
+  (user space only: not the kernel's part of a send, nor any waiting), the difference between
+  runs of 1,200 and 200 pairs over 1,000. Instruction counts do not move with the machine's
+  load, so this shows a change in the client's own work that wall times hide (within ~3 %:
+  how replies fall into reads moves it a little);
 - ``throughput``: 4 processes x 8 asyncio sessions (coalesced, then ``coalesce=False``);
   pairs per second, the processes' own CPU time per pair, and Redis's CPU time per pair
   (``INFO cpu``): on a machine whose cores the clients share with Redis, their sum is what
@@ -30,6 +35,8 @@ import argparse
 import contextlib
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -197,6 +204,20 @@ def apair(tree: Path, url: str, n: int) -> dict[str, float]:
     return {"apair_us": wall * 1e6, "apair_client_cpu_us": cpu * 1e6}
 
 
+def instructions(tree: Path, url: str) -> dict[str, float]:
+    counts = []
+    for n in (200, 1200):
+        argv = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
+        argv += [sys.executable, "-c", _APAIR, url, NAME, str(n)]
+        env = dict(os.environ, PYTHONPATH=str(tree))
+        out = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, check=True)
+        found = re.search(r"Collected : (\d+)", out.stderr)
+        if found is None:
+            raise RuntimeError(f"callgrind printed no count: {out.stderr[-300:]}")
+        counts.append(int(found.group(1)))
+    return {"apair_instructions": (counts[1] - counts[0]) / 1000}
+
+
 def ahttp(tree: Path, url: str, n: int, urls: list[str]) -> dict[str, float]:
     proc = _python(tree, _AHTTP, url, NAME, str(n), *urls, stdout=subprocess.PIPE)
     routed, direct = json.loads(proc.communicate()[0])
@@ -244,6 +265,8 @@ def measure(
         out.update(apair(tree, url, args.pairs))
     if "ahttp" in args.only:
         out.update(ahttp(tree, url, args.pairs, urls))
+    if "instructions" in args.only:
+        out.update(instructions(tree, url))
     if "throughput" not in args.only:
         return out
     out.update(throughput(tree, r, url, args.seconds, True))
@@ -251,8 +274,8 @@ def measure(
     return out
 
 
-MEASURES = ("pair", "apair", "ahttp", "throughput")
-UNITS = {"_per_s": "/s", "_us": " us"}
+MEASURES = ("pair", "apair", "ahttp", "instructions", "throughput")
+UNITS = {"_per_s": "/s", "_us": " us", "_instructions": ""}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,11 +286,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=3000, help="pairs of one pair run (default 3000)")
     ap.add_argument(
         "--only",
-        default=",".join(MEASURES),
-        help=f"comma-separated measures (default: all of {', '.join(MEASURES)})",
+        default=",".join(m for m in MEASURES if m != "instructions"),
+        help=f"comma-separated measures of {', '.join(MEASURES)} (default: all but instructions)",
     )
     args = ap.parse_args(argv)
     args.only = set(args.only.split(","))
+    if "instructions" in args.only and shutil.which("valgrind") is None:
+        ap.error("--only instructions needs valgrind on PATH")
     if unknown := args.only - set(MEASURES):
         ap.error(f"--only: unknown {', '.join(sorted(unknown))}; allowed: {', '.join(MEASURES)}")
     binary = first_server_binary()

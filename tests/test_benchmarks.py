@@ -119,10 +119,24 @@ def test_ab_measures_both_trees_and_prints_every_measure():
     assert done.returncode == 0, done.stdout + done.stderr
     lines = {line.split()[0]: line.split() for line in done.stdout.splitlines()[2:]}
     measures = ("pair_us", "pair_redis_us", "tp_per_s", "tp_client_cpu_us", "tp_redis_cpu_us")
-    for measure in (*measures, "tp_solo_per_s", "apair_us", "apair_client_cpu_us"):
+    for measure in (*measures, "tp_solo_per_s", "apair_us", "apair_client_cpu_us", "ahttp_p50_us"):
         ratio = lines[measure][-1]
         assert ratio.endswith("x") and math.isfinite(float(ratio[:-1])) and float(ratio[:-1]) > 0
+    # the routed request's excess over a direct one: finite (its sign is the machine's)
+    assert math.isfinite(float(lines["ahttp_added_p50_us"][-1][:-1]))
     assert worktree_paths() == worktrees  # the temporary one is removed
+
+
+def test_ab_refuses_an_unknown_measure_naming_the_allowed_ones():
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.ab", "HEAD", "--only", "pair,latency"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "--only: unknown latency; allowed: pair, apair, ahttp, instructions" in done.stderr
 
 
 def test_script_ab_times_both_versions_call_by_call():
