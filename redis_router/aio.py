@@ -732,12 +732,10 @@ class AsyncRedisLoadBalancer:
         return AsyncReleased(future)
 
     def _settled(self, futures: list[asyncio.Future[bool]]) -> None:
-        """Releases written on the pipe were answered (see :meth:`_answered`)."""
-        posted = self._posted
+        """Releases written on the pipe were answered: :meth:`_answered` for each, there and
+        then rather than by a callback on the next loop turn."""
         for future in futures:
-            posted.discard(future)
-            if not future.cancelled() and future.exception() is not None:
-                log.debug("a release nobody awaited failed: %s", future.exception())
+            self._answered(future)
 
     def _answered(self, future: asyncio.Future[bool]) -> None:
         """A posted release was answered. One that failed (Redis unreachable) is left to the
