@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 import redis
+from hypothesis import reject
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from redis.backoff import NoBackoff
@@ -128,6 +129,7 @@ class Stats:
     ejections: int = 0  # replicas ejected by failed requests
     full: int = 0  # acquires refused with NoCapacity
     capped: int = 0  # grants made while some replica declared a capacity
+    overruns: int = 0  # runs not judged: a call outlasted a dead holder's deadline
 
     def line(self) -> str:
         return (
@@ -140,7 +142,8 @@ class Stats:
             f"calls under a stall past the client timeout ({self.resent} resent), "
             f"{self.kills} connections killed while their command waited, {self.drops} "
             f"dropped between calls, {self.batches} coalesced gathers; {self.ejections} "
-            f"ejections, {self.capped} grants under capacities, {self.full} refused full"
+            f"ejections, {self.capped} grants under capacities, {self.full} refused full; "
+            f"{self.overruns} runs not judged (a call outlasted a dead holder's deadline)"
         )
 
 
@@ -445,7 +448,13 @@ class BalancerMachine(RuleBasedStateMachine):
         t0 = time.monotonic()
         out = fn(*args)
         t1 = time.monotonic()
-        assert t1 < self._deadline(), "a step outlasted STEP: raise it (machine too slow)"
+        if t1 >= self._deadline():
+            # The call ran past a dead holder's deadline (a loaded machine stalled it): a
+            # keeper may have reclaimed that holder's leases meanwhile, and the model cannot
+            # say what the call saw. Such a run is not judged; Hypothesis draws another (and
+            # fails the test as Unsatisfiable if too few can be judged).
+            self.stats.overruns += 1
+            reject()
         return out, t0, t1
 
     # -- dead holders ----------------------------------------------------------------------
