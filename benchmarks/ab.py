@@ -62,8 +62,7 @@ SESSIONS = 8
 _SETUP = """
 import sys
 from redis_router import RedisLoadBalancer
-url, name, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
-urls = rest if len(rest) > 1 else [f"http://h{i}" for i in range(int(rest[0]))]
+url, name, urls = sys.argv[1], sys.argv[2], sys.argv[3:]
 RedisLoadBalancer({f"s{i}": u for i, u in enumerate(urls)}, redis=url, name=name).close()
 """
 
@@ -267,10 +266,9 @@ def measure(
         out.update(ahttp(tree, url, args.pairs, urls))
     if "instructions" in args.only:
         out.update(instructions(tree, url))
-    if "throughput" not in args.only:
-        return out
-    out.update(throughput(tree, r, url, args.seconds, True))
-    out.update(throughput(tree, r, url, args.seconds, False))
+    if "throughput" in args.only:
+        out.update(throughput(tree, r, url, args.seconds, True))
+        out.update(throughput(tree, r, url, args.seconds, False))
     return out
 
 
@@ -305,16 +303,14 @@ def main(argv: list[str] | None = None) -> int:
         worktree(args.rev, Path(tmp) / "before") as before,
         contextlib.ExitStack() as stack,
     ):
-        urls: list[str] = []
+        urls = [f"http://h{i}" for i in range(REPLICAS)]  # never reached but by ahttp
         if "ahttp" in args.only:
             replicas = FakeReplicas([free_port() for _ in range(REPLICAS)])
             stack.callback(replicas.close)
             urls = replicas.urls
         trees = {"before": before, "after": HERE}
         r = redis.Redis.from_url(server.url, decode_responses=True)
-        _python(
-            HERE, _SETUP, server.url, NAME, *urls or [str(REPLICAS)]
-        ).wait()  # one pool for both
+        _python(HERE, _SETUP, server.url, NAME, *urls).wait()  # one pool for both
         for k in range(args.rounds):
             order = ["before", "after"] if k % 2 == 0 else ["after", "before"]
             for label in order:
