@@ -13,6 +13,9 @@ the median over the repetitions. Measures:
   background (sync and asyncio), and once more awaited for its result (asyncio: the round trip
   a caller that waits for it pays). The oracle rows make one redis-py ``PING`` round trip
   before each direct request: the least a library that asks Redis once per request pays.
+  The bare-client rows (benchmarks/peers_bare.py) send the library's own acquire and release
+  scripts, and two no-op ones, from the least a Python client can be: they split what the
+  library adds into the round trips, the scripts' own work and the library's Python.
 - ``throughput``: 32 concurrent asyncio clients in one process, at 0 and 20 ms service time,
   as a ratio to direct requests in the same repetition.
 - ``balance``: 4 client processes, 8 concurrent requests each (service time drawn per request,
@@ -71,6 +74,7 @@ from redis_router import AsyncRedisLoadBalancer, RedisLoadBalancer
 from redis_router.local_server import LocalServer, first_server_binary
 from redis_router.plugins.prefix_cache import AsyncPrefixCacheRouter
 
+from . import peers_bare as bare
 from . import peers_fronts as fronts
 from . import peers_gateways as gws
 from .peers_http import AsyncClient, FakeReplicas, SyncClient, completion_body
@@ -186,6 +190,12 @@ LAT_AWAITED = "redis-router asyncio, release awaited"
 # one PING round trip, then the request (no script, no routing, no release).
 LAT_PING = "oracle: one redis-py PING, then the request"
 LAT_PING_ASYNC = f"{LAT_PING}, asyncio"
+# The library's own acquire and release scripts, and two no-op calls, from a bare client
+# (benchmarks/peers_bare.py): what the scripts add, and what the library's Python adds.
+LAT_BARE = "oracle: the library's scripts, bare client"
+LAT_BARE_NOOP = "oracle: two no-op script calls, bare client"
+LAT_BARE_ASYNC = f"{LAT_BARE}, asyncio"
+LAT_BARE_NOOP_ASYNC = f"{LAT_BARE_NOOP}, asyncio"
 
 
 async def _latency(b: Bench) -> list[Row]:
@@ -200,6 +210,19 @@ async def _latency(b: Bench) -> list[Row]:
     rping = redis.Redis.from_url(b.redis_url)
     arping = redis.asyncio.Redis.from_url(b.redis_url)
     n = itertools.count()
+    # The bare clients send what the balancers' cores make (their scripts are loaded by a
+    # first acquire); the no-op library is loaded here.
+    lb.release_server(lb.acquire_server("peers-bare-warm")[0], "peers-bare-warm")
+    await alb.release_server((await alb.acquire_server("peers-bare-warm"))[0], "peers-bare-warm")
+    errors: dict[str, str] = {}
+    bare_rows = (LAT_BARE, LAT_BARE_NOOP, LAT_BARE_ASYNC, LAT_BARE_NOOP_ASYNC)
+    try:
+        bare.load_noop(rping)  # (Functions: Redis 7+ or Valkey)
+    except redis.ResponseError as exc:
+        errors.update(dict.fromkeys(bare_rows, f"needs Redis Functions: {_why(exc)}"))
+    sbare, abare = bare.SyncBare(b.redis_url), await bare.AsyncBare.open(b.redis_url)
+    scripts, ascripts = bare.Commands(lb._core, False), bare.Commands(alb._core, False)
+    noops = bare.Commands(alb._core, True)
 
     def direct() -> None:
         sc.post(urls[next(n) % len(urls)], path, body)
@@ -220,6 +243,30 @@ async def _latency(b: Bench) -> list[Row]:
         finally:
             lb.release_server(sid, rid)
 
+    def bare_routed() -> None:
+        rid, token = uuid.uuid4().hex, bare.new_token()
+        sid = bare.server_id(sbare.call(scripts.acquire(rid, token)))
+        sc.post(servers[sid], path, body)
+        sbare.post(scripts.release(sid, rid, token))
+
+    def bare_noop() -> None:
+        rid, token = uuid.uuid4().hex, bare.new_token()
+        sbare.call(noops.acquire(rid, token))
+        sc.post(urls[next(n) % len(urls)], path, body)
+        sbare.post(noops.release("s0", rid, token))
+
+    async def abare_routed() -> None:
+        rid, token = uuid.uuid4().hex, bare.new_token()
+        sid = bare.server_id(await abare.call(ascripts.acquire(rid, token)))
+        await ac.post(servers[sid], path, body)
+        abare.post(ascripts.release(sid, rid, token))
+
+    async def abare_noop() -> None:
+        rid, token = uuid.uuid4().hex, bare.new_token()
+        await abare.call(noops.acquire(rid, token))
+        await ac.post(urls[next(n) % len(urls)], path, body)
+        abare.post(noops.release("s0", rid, token))
+
     async def adirect() -> None:
         await ac.post(urls[next(n) % len(urls)], path, body)
 
@@ -239,12 +286,16 @@ async def _latency(b: Bench) -> list[Row]:
         LAT_SYNC_DIRECT: direct,
         "redis-router sync": routed,
         LAT_PING: pinged,
+        LAT_BARE: bare_routed,
+        LAT_BARE_NOOP: bare_noop,
     }
     async_fns: dict[str, Callable[[], Any]] = {
         LAT_ASYNC_DIRECT: adirect,
         "redis-router asyncio": arouted,
         LAT_AWAITED: functools.partial(arouted, True),
         LAT_PING_ASYNC: apinged,
+        LAT_BARE_ASYNC: abare_routed,
+        LAT_BARE_NOOP_ASYNC: abare_noop,
     }
     base = {
         "redis-router sync": LAT_SYNC_DIRECT,
@@ -252,8 +303,14 @@ async def _latency(b: Bench) -> list[Row]:
         LAT_AWAITED: LAT_ASYNC_DIRECT,
         LAT_PING: LAT_SYNC_DIRECT,
         LAT_PING_ASYNC: LAT_ASYNC_DIRECT,
+        LAT_BARE: LAT_SYNC_DIRECT,
+        LAT_BARE_NOOP: LAT_SYNC_DIRECT,
+        LAT_BARE_ASYNC: LAT_ASYNC_DIRECT,
+        LAT_BARE_NOOP_ASYNC: LAT_ASYNC_DIRECT,
     }
-    errors: dict[str, str] = {}
+    for label in errors:
+        sync_fns.pop(label, None)
+        async_fns.pop(label, None)
     for label in b.labels("latency"):
         err = b.gateway_error(label)
         if err:
@@ -289,6 +346,8 @@ async def _latency(b: Bench) -> list[Row]:
     await alb.close()
     rping.close()
     await arping.aclose()
+    sbare.close()
+    abare.close()
     sc.close()
     await ac.close()
     rows = []
