@@ -229,9 +229,11 @@ class AsyncRedisLoadBalancer:
         self._releases: Coalescer[_ReleaseItem, bool] | None = None
         # Coalesced acquires and releases, written in order on a connection of the
         # balancer's own (redis_router.direct); releases posted in one turn of the event loop
-        # go in one call, written at the start of the next turn.
+        # go in one call, written at the start of the next turn (a lone session's at once).
         self._pipe: Pipe | None = None
         self._outgoing: list[tuple[_ReleaseItem, asyncio.Future[bool]]] = []
+        # The latest release written alone, in its caller's step (see _alone).
+        self._freeing: asyncio.Future[bool] | None = None
         self._make_coalescers()
         # Releases posted and not yet answered, awaited by close().
         self._posted: set[asyncio.Future[bool]] = set()
@@ -244,7 +246,7 @@ class AsyncRedisLoadBalancer:
     def _make_coalescers(self) -> None:
         if self._coalesce:
             self._acquires = Coalescer(
-                self._acquire_batch, self._release_orphan, self._write_acquires
+                self._acquire_batch, self._release_orphan, self._write_acquires, self._alone
             )
             self._releases = Coalescer(self._release_batch)
             # None through a Cluster or Sentinel client (connection.direct_pool).
@@ -528,6 +530,17 @@ class AsyncRedisLoadBalancer:
         args = self._core.request_args(request_id, fields)
         return await self._acquires.submit((request_id, token, args))
 
+    def _alone(self) -> bool:
+        """Whether an acquire may be written at once (:class:`Coalescer`'s ``lone``): a
+        session's next request, made while the release of its last one, written alone, is
+        still unanswered, this process holding no other lease and no release waiting to be
+        written before it. (Calls made after a quiet spell, as a burst of many sessions is,
+        wait for the loop's next turn and go as one batch.)"""
+        freeing = self._freeing
+        return (
+            freeing is not None and not freeing.done() and not (self._core.held or self._outgoing)
+        )
+
     def _write_acquires(
         self, items: list[_AcquireItem], done: Callable[[Outcomes[Grant]], None]
     ) -> bool:
@@ -660,10 +673,19 @@ class AsyncRedisLoadBalancer:
         if self._pipe is not None and _succeeded(self._setup):
             loop = asyncio.get_running_loop()
             future = loop.create_future()
-            if not self._outgoing:
-                loop.call_soon(self._write_releases)
+            first = not self._outgoing
             self._outgoing.append(((server_id, request_id, token, failed), future))
             self._posted.add(future)  # until _settled(), where its outcome is taken
+            if first:
+                # Alone (this lease the only one held, no acquire waiting to be written
+                # before it): written now, in the caller's step. Else on the next turn,
+                # with every release posted until then.
+                acquires = self._acquires
+                if len(self._core.held) <= 1 and not (acquires is not None and acquires.queued):
+                    self._freeing = future
+                    self._write_releases()
+                else:
+                    loop.call_soon(self._write_releases)
             return AsyncReleased(future)
         if self._releases is None:
             future = asyncio.ensure_future(

@@ -12,6 +12,12 @@ Given a ``write`` (the asyncio balancer's ordered connection, redis_router.direc
 written by a plain callback rather than a task, its outcomes are handed back from where its
 reply is read, and the next batch is written there and then: no task step stands between a
 call, its round trip and its caller.
+
+A call made while its process looks alone (``lone()``: for the balancer, no lease held and no
+release waiting) is written at once, in its caller's own step, without the loop turn a batch
+waits for: a worker with one session pays no coalescing. Only one such call is in flight at a
+time, and it does not hold back the batch after it: calls made in the same turn go out on the
+next one, as they would have, one script call more.
 """
 
 from __future__ import annotations
@@ -48,12 +54,21 @@ class Coalescer(Generic[Item, Result]):
         send: Callable[[list[Item]], Awaitable[list[Result | BaseException]]],
         orphan: Callable[[Item, Result], None] | None = None,
         write: Callable[[list[Item], Callable[[Outcomes[Result]], None]], bool] | None = None,
+        lone: Callable[[], bool] | None = None,
     ) -> None:
         self._send, self._orphan, self._write = send, orphan, write
+        self._lone = lone
         self._queue: list[tuple[Item, asyncio.Future[Result]]] = []
         self._flusher: asyncio.Future[None] | None = None
         # A batch written by ``write`` is in flight, or its write is scheduled.
         self._writing = False
+        # A call written at once (``lone``) is in flight.
+        self._alone = False
+
+    @property
+    def queued(self) -> bool:
+        """Whether calls wait to be written (a later call that must follow them waits too)."""
+        return bool(self._queue)
 
     async def submit(self, item: Item) -> Result:
         return await self.put(item)
@@ -63,6 +78,13 @@ class Coalescer(Generic[Item, Result]):
         of its outcome, for a caller that need not wait for it."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Result] = loop.create_future()
+        if (
+            self._lone is not None
+            and not (self._alone or self._writing or self._queue or self._flusher)
+            and self._lone()
+            and self._write_alone(item, fut)
+        ):
+            return fut
         self._queue.append((item, fut))
         if self._flusher is None and not self._writing:
             if self._write is not None:
@@ -71,6 +93,25 @@ class Coalescer(Generic[Item, Result]):
             else:
                 self._flusher = asyncio.ensure_future(self._flush())
         return fut
+
+    def _write_alone(self, item: Item, fut: asyncio.Future[Result]) -> bool:
+        """Write one call now, outside the batches; False when ``write`` cannot."""
+        assert self._write is not None
+        one = [(item, fut)]
+        try:
+            if not self._write([item], functools.partial(self._written_alone, one)):
+                return False
+        except Exception as exc:  # the call's own failure: its caller gets it
+            self._settle(one, [exc])
+            return True
+        self._alone = True
+        return True
+
+    def _written_alone(
+        self, one: list[tuple[Item, asyncio.Future[Result]]], outcomes: Outcomes[Result]
+    ) -> None:
+        self._alone = False
+        self._settle(one, [outcomes] if isinstance(outcomes, BaseException) else outcomes)
 
     def _write_next(self) -> None:
         """Write the next batch with ``write``; when it cannot, the task flusher sends it."""
