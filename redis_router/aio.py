@@ -990,6 +990,9 @@ async def _listed(one: Awaitable[Grant]) -> list[Grant]:
 
 def _with_tokens(items: list[_AcquireItem]) -> list[_Filled]:
     """The items, each with its token: its earlier attempt's, or a new one."""
+    if len(items) == 1:  # the common case, without loops
+        rid, token, a = items[0]
+        return [(rid, token if token is not None else new_token(), a)]
     fresh = iter(new_tokens(len(items)))
     return [(rid, token if token is not None else next(fresh), a) for rid, token, a in items]
 

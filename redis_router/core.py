@@ -728,6 +728,8 @@ class BalancerCore:
         timeout is recognised by it, reports the first copy's result and ends nothing more.
         ``failed`` (one flag per release): the request failed, which counts toward ejecting
         its replica (passive health); any other release clears the replica's streak."""
+        if len(releases) == 1 and failed is None and not self.ejection:
+            return [(yield from self.release(*releases[0]))]  # the common case, without loops
         flat: list[str] = []
         ops = new_operations(len(releases))
         if failed is not None or self.ejection:
