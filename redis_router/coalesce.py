@@ -13,11 +13,12 @@ written by a plain callback rather than a task, its outcomes are handed back fro
 reply is read, and the next batch is written there and then: no task step stands between a
 call, its round trip and its caller.
 
-A call made while its process looks alone (``lone()``: for the balancer, no lease held and no
-release waiting) is written at once, in its caller's own step, without the loop turn a batch
-waits for: a worker with one session pays no coalescing. Only one such call is in flight at a
-time, and it does not hold back the batch after it: calls made in the same turn go out on the
-next one, as they would have, one script call more.
+A call made while its process looks alone (``lone()``: for the balancer, a session's next
+request, right after the release of its last one, with no other lease held) is written at
+once, in its caller's own step, without the loop turn a batch waits for: a worker with one
+session pays no coalescing. Only one such call is in flight at a time, and it does not hold
+back the batch after it: calls made in the same turn go out on the next one, as they would
+have, one script call more.
 """
 
 from __future__ import annotations
