@@ -237,6 +237,70 @@ def test_without_coalescing_each_call_is_its_own_round_trip(server, r, every_com
     asyncio.run(main())
 
 
+def _writes(lb: AsyncRedisLoadBalancer) -> list[str]:
+    """The scripts the balancer writes on its ordered connection from now on, in order."""
+    names: list[str] = []
+    pipe = lb._pipe
+    assert pipe is not None
+    write = pipe.write_then
+
+    def counted(call: Any, handle: Any) -> bool:
+        names.append(call.script.name)
+        return write(call, handle)
+
+    pipe.write_then = counted  # type: ignore[method-assign]
+    return names
+
+
+def test_a_lone_session_writes_its_release_and_next_acquire_in_its_own_step(server, r):
+    """One session: its release is written when it is posted, and its next acquire when it
+    is made, in the same step; with a second session's lease held, both wait for the loop's
+    next turn (and go with whatever else that turn makes)."""
+
+    async def main() -> None:
+        async with AsyncRedisLoadBalancer(SERVERS, redis=server.url, name="lone") as lb:
+            await warm(lb)
+            written = _writes(lb)
+            sid, _ = await lb.acquire_server("a")
+            written.clear()
+            released = lb.release_server(sid, "a")
+            assert written == ["release"]  # before release_server returned
+            nxt = asyncio.ensure_future(lb.acquire_server("b"))
+            await asyncio.sleep(0)  # one turn: nxt makes its acquire, then this resumes
+            assert written == ["release", "acquire"]
+            assert await released and (await nxt)[0] in SERVERS
+            sid, _ = await lb.acquire_server("c")  # two leases held now: b and c
+            written.clear()
+            released = lb.release_server(sid, "c")
+            assert written == []
+            nxt = asyncio.ensure_future(lb.acquire_server("d"))
+            await asyncio.sleep(0)  # the release goes first; the acquire on the turn after
+            assert written == ["release"]
+            assert await released and (await nxt)[0] in SERVERS
+            assert written == ["release", "acquire"]
+            assert sum(invariants.check(r, "lone").values()) == 2  # b and d
+
+    asyncio.run(main())
+
+
+def test_a_burst_right_after_a_lone_release_is_routed_as_sequential_calls(server, r):
+    """A burst made while a lone session's release is unanswered: its first acquire goes at
+    once, the other 63 in one call on the next turn, and they route as one after another."""
+
+    async def main() -> None:
+        async with AsyncRedisLoadBalancer(SERVERS, redis=server.url, name="burst") as lb:
+            await warm(lb)
+            written = _writes(lb)
+            sid, _ = await lb.acquire_server("a")
+            lb.release_server(sid, "a")
+            got = await asyncio.gather(*(lb.acquire_server(f"q{i}") for i in range(64)))
+            assert written == ["acquire", "release", "acquire", "acquire"]
+            assert sorted(Counter(s for s, _ in got).values()) == [8] * 8
+            assert sum(invariants.check(r, "burst").values()) == 64
+
+    asyncio.run(main())
+
+
 def test_coalesce_must_be_a_bool():
     with pytest.raises(TypeError, match="coalesce must be a bool"):
         AsyncRedisLoadBalancer(SERVERS, redis="redis://127.0.0.1:1", coalesce="yes")  # type: ignore[arg-type]
