@@ -47,6 +47,7 @@ ROW_IDS = (
     "memory_hash_field",
     "memory_lease",
     "memory_release_record",
+    "memory_release_record_doubled",
     "throughput_vs_ray",
     "throughput_vs_watch",
     "throughput_uncoalesced",

@@ -7,6 +7,15 @@ expired; ``reap()`` ends them exactly as releases would), which leaves only the 
 entries: that is the per-session figure. The difference is the cost of an in-flight lease.
 The reference layouts store the same ids and replica ids, filled with pipelines:
 one string key per session with a TTL, and one field per session in a single plain hash.
+
+Ending the leases leaves one remembered release each (kept so that a resent copy is
+recognised). A store's cost per record moves with how full it is: a Redis hash table doubles
+when outgrown and keeps the old table until later writes have moved every entry, so a layout
+with an entry per record pays most just past a power of two. The releases are ended in chunks
+and the store is weighed (``MEMORY USAGE``, every entry counted) just past the last power of
+two below N and at N: the row for that fill is the per-release figure at N (``used_memory``)
+plus the difference. The resend window is lengthened while they are ended, so every record
+stays in one generation wherever the keeper's rotation would fall.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ import uuid
 
 import redis
 
-from redis_router import RedisLoadBalancer
+from redis_router import RedisLoadBalancer, core
 
 from .harness import Row, Sizes
 from .latency import servers
@@ -48,9 +57,23 @@ def _fresh(client: redis.Redis) -> int:
     return used_memory(client)
 
 
-def measure_router(client: redis.Redis, n: int) -> tuple[float, float, float]:
-    """(bytes per sticky session, per in-flight lease, per remembered release) for
-    redis-router. Releases are remembered for a while so that a resent copy is recognised."""
+def doubling_point(n: int, chunk: int) -> int:
+    """The first chunk boundary past the last power of two below ``n``: where a table with an
+    entry per record has just doubled."""
+    power = 1 << (max(n - 1, 1).bit_length() - 1)
+    return min(n, (power // chunk + 1) * chunk)
+
+
+def store_bytes(client: redis.Redis, key: str, records: int) -> float:
+    """Bytes per record of a key, every entry counted."""
+    return int(client.memory_usage(key, samples=0) or 0) / records
+
+
+def measure_router(client: redis.Redis, n: int) -> tuple[float, float, float, int, float, float]:
+    """(bytes per sticky session, per in-flight lease, per remembered release; the fill just
+    past the last power of two below ``n``, and ``MEMORY USAGE`` per record there and at ``n``)
+    for redis-router. Releases are remembered for a while so that a resent copy is
+    recognised."""
     _fresh(client)
     lb = RedisLoadBalancer(servers(8), redis=client, name="bench-mem", sticky_ttl=STICKY_TTL)
     before = used_memory(client)
@@ -60,12 +83,26 @@ def measure_router(client: redis.Redis, n: int) -> tuple[float, float, float]:
         batches.append(list(zip((sid for sid, _ in lb.acquire_many(rids)), rids, strict=True)))
     _settled(client)
     with_leases = used_memory(client)
-    for batch in batches:
-        lb._run(lb._core.release_many([(sid, rid, None) for sid, rid in batch]))
+    ended = [pair for batch in batches for pair in batch]
+    chunk = max(1, min(BATCH, n // 100))
+    doubled = doubling_point(n, chunk)
+    at_doubling = 0.0
+    records, old = lb._core.prefix + "remembered", lb._core.prefix + "remembered:old"
+    window, core.RESEND_WINDOW_MS = core.RESEND_WINDOW_MS, 3_600_000
+    try:
+        for lo in range(0, n, chunk):
+            part = ended[lo : lo + chunk]
+            lb._run(lb._core.release_many([(sid, rid, None) for sid, rid in part]))
+            if lo + len(part) == doubled:
+                at_doubling = store_bytes(client, records, doubled)
+    finally:
+        core.RESEND_WINDOW_MS = window
     assert lb.get_total_inflight() == 0
+    assert not client.exists(old), "one generation expected"
+    at_n = store_bytes(client, records, n)
     _settled(client)
     with_records = used_memory(client)
-    client.delete(lb._core.prefix + "released", lb._core.prefix + "released:old")
+    client.delete(records, old)
     _settled(client)
     sticky_only = used_memory(client)
     status = lb.get_status()
@@ -76,6 +113,9 @@ def measure_router(client: redis.Redis, n: int) -> tuple[float, float, float]:
         (sticky_only - before) / n,
         (with_leases - sticky_only) / n,
         (with_records - sticky_only) / n,
+        doubled,
+        at_doubling,
+        at_n,
     )
 
 
@@ -100,7 +140,7 @@ def measure_reference(client: redis.Redis, n: int, layout: str) -> float:
 
 def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
     n = sizes.sessions
-    per_session, per_lease, per_release = measure_router(client, n)
+    per_session, per_lease, per_release, doubled, at_doubling, at_n = measure_router(client, n)
     string_ttl = measure_reference(client, n, "string_ttl")
     hash_field = measure_reference(client, n, "hash_field")
     client.execute_command("FLUSHALL", "SYNC")
@@ -145,5 +185,18 @@ def run(client: redis.Redis, sizes: Sizes) -> list[Row]:
             per_release,
             "B",
             target=("<=", 60),
+            note=f"{n:,} in one generation (used_memory)",
+        ),
+        Row(
+            "memory_release_record_doubled",
+            "    the same, just past a power of two",
+            per_release + at_doubling - at_n,
+            "B",
+            target=("<=", 60),
+            note=(
+                f"{doubled:,} releases: MEMORY USAGE {at_doubling:.1f} B per release, "
+                f"against {at_n:.1f} B at {n:,}"
+            ),
+            extra={"releases": doubled},
         ),
     ]

@@ -21,8 +21,8 @@ end
 for b = cur + 1, cur - span, -1 do
   n = n + redis.call('DEL', P .. 'sticky:' .. b, P .. 'stickyn:' .. b, P .. 'group:' .. b)
 end
-for _, k in ipairs({ 'servers', 'load', 'draining', 'leases', 'byreq', 'holders', 'released',
-                     'released:old', 'ended', 'ended:old',
+for _, k in ipairs({ 'servers', 'load', 'draining', 'leases', 'byreq', 'holders', 'remembered',
+                     'remembered:old', 'released', 'released:old', 'ended', 'ended:old',
                      'acquires', 'sticky_hits', 'reclaimed', 'repins', 'config', 'weights',
                      'weighted', 'locality', 'weight_version', 'off', 'back', 'capacity',
                      'ejected', 'eject_why', 'fails', 'ejections', 'failures', 'waiters',

@@ -8,8 +8,9 @@
 --          ended it (a resend after a timeout), 0 if there was none (released twice,
 --          reclaimed, unknown or removed replica: a harmless no-op, I6).
 -- Keeps    I1 (count -1 with its lease, never below 0), I2, I6, I10, I11. Safe to resend: the
---          operation id is remembered in P.."released" (rotated by heartbeat.lua), so a second
---          copy reports the first one's result and never ends another lease.
+--          operation id is remembered in P.."remembered" (lib/leases.lua; rotated by
+--          heartbeat.lua), so a second copy reports the first one's result and never ends
+--          another lease.
 -- Which    With a token, that lease (the token decides the replica). With a request id, the
 --          oldest lease of that request on that replica; with neither, the oldest lease on
 --          that replica. "?token" with a request id is a hint: the releasing process's own
@@ -22,9 +23,9 @@
 --          ends the replica's failure streak.
 -- Uses     lib/base, lib/admission, lib/leases, lib/health
 -- In a batch, the writes every release makes that commute are grouped for the end of the
--- call: the operation ids remembered (one SADD) and the leases leaving their holders' sets
--- (one ZREM per holder). Nothing between reads them: a copy of the same call is another
--- script call. A single release writes them at once (no tables to make).
+-- call: the operation ids remembered (one HMGET and one HSET) and the leases leaving their
+-- holders' sets (one ZREM per holder). Nothing between reads them: a copy of the same call is
+-- another script call. A single release writes them at once (no tables to make).
 local done, unowned = nil, nil
 if #ARGV > 4 then done, unowned = {}, {} end
 
@@ -64,7 +65,7 @@ local function release(id, req, token, op)
   if done then
     done[#done + 1] = op
   else
-    redis.call('SADD', P .. 'released', op)
+    remember_release(op)
   end
   released(sid, op)
   return token
@@ -75,7 +76,7 @@ for i = 1, #ARGV, 4 do
   out[#out + 1] = release(ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
 end
 if done then
-  if #done > 0 then flat_call('SADD', P .. 'released', done) end
+  if #done > 0 then remember_releases(done) end
   for holder, toks in pairs(unowned) do flat_call('ZREM', P .. 'owned:' .. holder, toks) end
 end
 return out

@@ -235,8 +235,9 @@ def _base64url(raw: bytes) -> str:
     return base64.urlsafe_b64encode(raw).decode()
 
 
-# Tokens: 16 hex digits (64 bits). Operation ids: 12 base64url characters (72 bits), short
-# enough that Redis keeps each remembered release in its smallest string allocation.
+# Tokens: 16 hex digits (64 bits). Operation ids: 12 base64url characters (72 bits): Redis keeps
+# each remembered release as its last three characters (a field it shares) and the other nine
+# (lib/leases.lua), so an id's length is most of what a remembered release costs.
 _tokens = _Entropy(bytes.hex, 8, 16)
 _operations = _Entropy(_base64url, 9, 12)
 os.register_at_fork(after_in_child=_tokens.forget)

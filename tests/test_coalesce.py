@@ -50,9 +50,10 @@ def test_concurrent_calls_share_round_trips_and_balance_as_sequential_ones(serve
                 *(lb.release_server(sid, f"q{i}") for i, (sid, _) in enumerate(got))
             )
             assert script_calls(r) == 1 and all(done)
-            # the batch remembers its 64 operation ids in one SADD and takes the leases off
-            # their holder's set in one ZREM (plus one ZREM per lease off its replica's set)
-            assert calls(r, "sadd", "zrem") == {"sadd": 1, "zrem": 1 + 64}
+            # the batch remembers its 64 operation ids in one HMGET and one HSET and takes the
+            # leases off their holder's set in one ZREM (plus one ZREM per lease off its
+            # replica's set)
+            assert calls(r, "hmget", "hset", "zrem") == {"hmget": 1, "hset": 1, "zrem": 1 + 64}
             assert set(invariants.check(r, "co").values()) == {0}
 
     asyncio.run(main())

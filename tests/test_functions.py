@@ -299,7 +299,7 @@ def test_flushes_in_a_loop_while_sync_and_asyncio_workers_run(server, r):
 
 def _dump(r: redis.Redis, name: str, holder: str) -> dict[str, Any]:
     """Every key of a balancer, normalised: the holder id as "H", time buckets merged,
-    clock-valued scores and remembered release ids (their count kept) left out."""
+    clock-valued scores left out."""
     p = invariants.prefix(name)
 
     def norm(text: str) -> str:
@@ -328,8 +328,6 @@ def _dump(r: redis.Redis, name: str, holder: str) -> dict[str, Any]:
                     for k, v in fields.items()
                     if not (k.startswith(clock[0]) or k.endswith(clock[1]))
                 }
-        elif kind == "set":  # remembered release ids: their count
-            value = r.scard(key)
         elif kind == "string":
             value = r.get(key)
         else:

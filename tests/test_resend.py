@@ -187,10 +187,20 @@ def _rotations(lb: RedisLoadBalancer, r: redis.Redis) -> Callable[[], None]:
     machine (the window itself, 60 s here, never passes during a test)."""
 
     def rotate() -> None:
-        r.hset(lb._core.prefix + "clock", "released", 0)
+        r.hset(lb._core.prefix + "clock", "remembered", 0)
         lb._run(lb._core.heartbeat())
 
     return rotate
+
+
+def remembered(r: redis.Redis, key: str) -> set[str]:
+    """The operation ids a generation of remembered releases holds: each field (an id's last
+    three characters) holds the rest of each of its ids between separators."""
+    ids = set()
+    for field, packed in r.hgetall(key).items():
+        assert packed.startswith(invariants.SEP) and packed.endswith(invariants.SEP), packed
+        ids.update(rest + field for rest in packed[1:-1].split(invariants.SEP))
+    return ids
 
 
 def test_release_keys_are_remembered_a_window_and_forgotten_after_two(make_lb, r, monkeypatch):
@@ -199,29 +209,85 @@ def test_release_keys_are_remembered_a_window_and_forgotten_after_two(make_lb, r
     balancer keeps none."""
     monkeypatch.setattr(core, "RESEND_WINDOW_MS", 60_000)
     lb = make_lb({"s0": None})
-    done, old = lb._core.prefix + "released", lb._core.prefix + "released:old"
+    done, old = lb._core.prefix + "remembered", lb._core.prefix + "remembered:old"
     rotate = _rotations(lb, r)
 
-    def op() -> Iterator[Call]:  # the same release call each time, as a resend sends it
-        return (yield Call(load("release"), ("s0", "a", "", "op-1")))  # type: ignore[misc]
+    def op(key: str) -> Iterator[Call]:  # the same release call each time, as a resend sends it
+        return (yield Call(load("release"), ("s0", "a", "", key)))  # type: ignore[misc]
 
     def release_op_1() -> Any:
-        return lb._run(op())
+        return lb._run(op("op-1"))
 
     lb.acquire_server("a")
     assert release_op_1() != [0]
-    assert r.smembers(done) == {"op-1"}
+    assert remembered(r, done) == {"op-1"}
     lb._run(lb._core.heartbeat())  # within the window: nothing moves
-    assert r.smembers(done) == {"op-1"} and release_op_1() == [1]
+    assert remembered(r, done) == {"op-1"} and release_op_1() == [1]
     rotate()  # op-1 is in the old generation, still recognised
-    assert not r.exists(done) and r.sismember(old, "op-1") and release_op_1() == [1]
-    r.sadd(done, "op-2")
+    assert not r.exists(done) and remembered(r, old) == {"op-1"} and release_op_1() == [1]
+    lb.acquire_server("a")
+    assert lb._run(op("op-2")) != [0]
     rotate()  # op-1's generation is dropped, op-2's is now the old one
-    assert not r.sismember(done, "op-1") and not r.sismember(old, "op-1")
-    assert r.smembers(old) == {"op-2"}
+    assert not r.exists(done) and remembered(r, old) == {"op-2"}
     assert release_op_1() == [0]
     rotate()  # nothing released since: both generations are gone
     assert not r.exists(done, old)
+    assert invariants.check(r, lb.name) == {"s0": 0}
+
+
+def test_remembered_ids_that_share_a_field_are_each_recognised_and_no_other(make_lb, r):
+    """Ids whose last three characters agree share one field: each is recognised, in a
+    single release and in a batch, and an id made of another's parts, or a prefix or suffix of
+    one, is not."""
+    lb = make_lb({"s0": None})
+    ids = ["AAAAAAAAAxyz", "BBBBBBBBBxyz", "+CCCCCCCCCxyz", "AAAAAxyz"]  # one field, "xyz"
+    for rid, key in zip("abcd", ids, strict=True):
+        lb.acquire_server(rid)
+        one = ("s0", rid, "", key)
+        assert lb._run(iter_call(one)) != [0]
+    assert remembered(r, lb._core.prefix + "remembered") == set(ids)
+    assert r.hlen(lb._core.prefix + "remembered") == 1
+    more = ["Pxyz1", "Qxyz1", "Rxy", "S"]  # two share field "yz1"; ids of 3 and 1 characters
+    batch = [("s0", rid, "", key) for rid, key in zip("efgh", more, strict=True)]
+    for _, rid, _, _ in batch:
+        lb.acquire_server(rid)
+    assert 0 not in lb._run(iter_call(*batch))
+    assert remembered(r, lb._core.prefix + "remembered") == {*ids, *more}
+    for key in [*ids, *more]:  # a resend: recognised, nothing ends
+        assert lb._run(iter_call(("s0", "z", "", key))) == [1]
+    for key in ("AAAAxyz", "AAAAAAAAAAxyz", "BBBBBBBBB", "xyz", "CCCCCCCCCxyz", "yz1"):
+        assert lb._run(iter_call(("s0", "z", "", key))) == [0], key
+    assert invariants.check(r, lb.name) == {"s0": 0}
+
+
+def iter_call(*quads: tuple[str, str, str, str]) -> Iterator[Call]:
+    """One release call of the given quads (replica, request id, token, operation id)."""
+    return (yield Call(load("release"), tuple(x for q in quads for x in q)))  # type: ignore[misc]
+
+
+def test_release_sets_of_earlier_clients_are_dropped_once_none_rotates_them(
+    make_lb, r, monkeypatch
+):
+    """Clients before the packed hashes remembered release ids in sets ("released",
+    "released:old", their start in the clock's "released") and rotate those themselves. While
+    such a client rotates them they are kept; once none has for two windows, a heartbeat of
+    this version drops them."""
+    monkeypatch.setattr(core, "RESEND_WINDOW_MS", 60_000)
+    lb = make_lb({"s0": None})
+    clock, sets = (
+        lb._core.prefix + "clock",
+        [lb._core.prefix + k for k in ("released", "released:old")],
+    )
+    rotate = _rotations(lb, r)
+    now_ms = int(r.time()[0]) * 1000
+    r.sadd(sets[0], "e-1")
+    r.sadd(sets[1], "e-0")
+    r.hset(clock, "released", now_ms - 61_000)  # an earlier client rotated them a window ago
+    rotate()
+    assert r.exists(*sets) == 2 and r.hexists(clock, "released")
+    r.hset(clock, "released", now_ms - 121_000)  # and none has for two windows
+    rotate()
+    assert r.exists(*sets) == 0 and not r.hexists(clock, "released")
     assert invariants.check(r, lb.name) == {"s0": 0}
 
 

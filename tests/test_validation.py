@@ -225,7 +225,7 @@ def test_every_key_of_a_balancer_shares_one_cluster_slot(make_lb, server, r):
     lb.drain_servers(["s0"])
     lb.reap()
     keys = r.keys("*")
-    assert {"holders", "released", "config"} <= {k.rsplit(":", 1)[-1] for k in keys}
+    assert {"holders", "remembered", "config"} <= {k.rsplit(":", 1)[-1] for k in keys}
     assert len(keys) >= 10
     assert all(k.startswith(f"rr:{{{lb.name}}}:") for k in keys)
     assert {key_slot(k.encode()) for k in keys} == {key_slot(f"{{{lb.name}}}".encode())}

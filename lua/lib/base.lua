@@ -13,10 +13,11 @@
 --   P.."holders"        ZSET  holder -> deadline (ms): a holder (one balancer instance in one
 --                             process) is alive while its heartbeats keep the deadline ahead
 --   P.."owned:"..h      ZSET  lease token -> acquired or renewed at (ms): the leases of holder h
---   P.."released"       SET   client-made operation ids of releases, with P.."released:old"
+--   P.."remembered"     HASH  client-made operation ids of releases, packed: last three
+--                             characters -> SEP..the rest of each id..SEP; P.."remembered:old"
 --                             the generation before: a resent release finds its first copy
---                             here (lib/leases.lua rotate_released; P.."ended" and
---                             P.."ended:old", hashes, are the same of earlier clients)
+--                             here (lib/leases.lua; P.."released", P.."released:old", sets,
+--                             and P.."ended", P.."ended:old", hashes: earlier clients')
 --   P.."sticky:"..b     HASH  request id -> server id, sessions last seen in time bucket b
 --   P.."stickyn:"..b    HASH  server id -> sessions in bucket b (expires with it)
 --   P.."pinned"         HASH  server id -> live sticky sessions naming it, "@" -> the oldest
@@ -41,7 +42,7 @@
 --   P.."waiters", P.."waiting", P.."wake:"..ticket, P.."waitseq", P.."waitstats": waiting
 --                             acquires (lib/leases.lua)
 --   P.."clock"          HASH  when Redis last heard a heartbeat and the probation after a
---                             pause (liveness() below), when P.."released" began ("released")
+--                             pause (liveness() below), when P.."remembered" began ("remembered")
 --   P.."heal"           HASH  cursors of the repair pass (heal.lua)
 --   P.."engine", P.."engine_at": what the engines report of their own load, and when
 --                             (lib/engine.lua)

@@ -71,23 +71,69 @@ local function end_lease(token, rec, toks, unowned)
   return id
 end
 
--- Release keys (client-made operation ids) are remembered in two generations of sets,
--- P.."released" and P.."released:old": a release adds one member (no clock read, no
--- sorted-set insert, no value: a member costs less than a hash field), and a heartbeat retires
--- the current generation once it is `remember` ms old (rotate_released), so a key is
--- recognised for at least `remember` ms and at most about twice that (plus a heartbeat
--- period), and an idle balancer's generations are gone within two windows. The generation's
--- start is the P.."clock" field "released".
+-- Release keys (client-made operation ids) are remembered in two generations of hashes,
+-- P.."remembered" and P.."remembered:old", packed: an id's last three characters name a field
+-- (262,144 of them for base64url ids) and the field's value holds the rest of each of its
+-- ids, each followed by SEP, after a leading SEP. An id costs its own characters and a share
+-- of its field's entry: a few times less than a set member, which takes a table entry and
+-- slot of its own (benchmarks/release_records.py). A heartbeat retires the current
+-- generation once it is `remember` ms old (rotate_released), so a key is recognised for at
+-- least `remember` ms and at most about twice that (plus a heartbeat period), and an idle
+-- balancer's generations are gone within two windows. The generation's start is the
+-- P.."clock" field "remembered". Operation ids never hold SEP.
 local function was_released(op)
-  return redis.call('SISMEMBER', P .. 'released', op) == 1
-    or redis.call('SISMEMBER', P .. 'released:old', op) == 1
+  local field, rest = string.sub(op, -3), SEP .. string.sub(op, 1, -4) .. SEP
+  local ids = redis.call('HGET', P .. 'remembered', field)
+  if ids and string.find(ids, rest, 1, true) then return true end
+  ids = redis.call('HGET', P .. 'remembered:old', field)
+  return ids and string.find(ids, rest, 1, true) ~= nil or false
 end
 
--- Clients before the sets kept release keys in hashes, P.."ended" (its start in field
--- "@since") and P.."ended:old", and rotate them the same way. Nothing else reads them: once
--- no such client writes them, they are dropped here a generation after their last use
--- ("@idle" marks when the old generation was first seen alone). Called once per rotation.
-local function retire_ended(now, remember)
+-- Remember one release's key: its field's value gains the rest of the id.
+local function remember_release(op)
+  local field = string.sub(op, -3)
+  local ids = redis.call('HGET', P .. 'remembered', field)
+  redis.call('HSET', P .. 'remembered', field, (ids or SEP) .. string.sub(op, 1, -4) .. SEP)
+end
+
+-- Remember a batch's release keys: one HMGET and one HSET (per CHUNK fields) for all of them.
+local function remember_releases(ops)
+  local key, fields, adds = P .. 'remembered', {}, {}
+  for _, op in ipairs(ops) do
+    local field = string.sub(op, -3)
+    local add = adds[field]
+    if not add then
+      fields[#fields + 1] = field
+      add = ''
+    end
+    adds[field] = add .. string.sub(op, 1, -4) .. SEP
+  end
+  local flat = {}
+  for lo = 1, #fields, CHUNK do
+    local hi = math.min(lo + CHUNK - 1, #fields)
+    local ids = redis.call('HMGET', key, unpack(fields, lo, hi))
+    for i = lo, hi do
+      local field = fields[i]
+      flat[#flat + 1] = field
+      flat[#flat + 1] = (ids[i - lo + 1] or SEP) .. adds[field]
+    end
+  end
+  flat_call('HSET', key, flat)
+end
+
+-- Clients of two kinds before the packed hashes kept release keys elsewhere, and rotate them
+-- themselves; nothing else reads them, and here they are dropped once no such client is left.
+-- Called once per rotation. Sets, P.."released" and P.."released:old", their start in the
+-- P.."clock" field "released": dropped once their clients have not rotated them for two
+-- windows (a live one rotates a window after the start). Hashes before those, P.."ended"
+-- (its start in field "@since") and P.."ended:old", rotated here the same way: dropped a
+-- generation after their last use ("@idle" marks when the old one was first seen alone).
+local function retire_earlier(now, remember)
+  local sets = redis.call('HGET', P .. 'clock', 'released')
+  if sets and now - tonumber(sets) >= 2 * remember then
+    redis.call('UNLINK', P .. 'released', P .. 'released:old')
+    redis.call('HDEL', P .. 'clock', 'released')
+  end
   local ended, old = P .. 'ended', P .. 'ended:old'
   local since = redis.call('HGET', ended, '@since')
   if since then
@@ -108,16 +154,16 @@ local function retire_ended(now, remember)
 end
 
 local function rotate_released(now, remember)
-  local since = redis.call('HGET', P .. 'clock', 'released')
+  local since = redis.call('HGET', P .. 'clock', 'remembered')
   if since and now - tonumber(since) < remember then return end
   if since then
-    redis.call('UNLINK', P .. 'released:old') -- freed in the background: it may be large
-    if redis.call('EXISTS', P .. 'released') == 1 then
-      redis.call('RENAME', P .. 'released', P .. 'released:old')
+    redis.call('UNLINK', P .. 'remembered:old') -- freed in the background: it may be large
+    if redis.call('EXISTS', P .. 'remembered') == 1 then
+      redis.call('RENAME', P .. 'remembered', P .. 'remembered:old')
     end
-    retire_ended(now, remember)
+    retire_earlier(now, remember)
   end
-  redis.call('HSET', P .. 'clock', 'released', int(now))
+  redis.call('HSET', P .. 'clock', 'remembered', int(now))
 end
 
 -- Reclaim the leases of dead holders (deadline at most `horizon`, liveness() in lib/base: the
