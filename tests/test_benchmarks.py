@@ -237,8 +237,8 @@ def test_pair_profile_names_every_stage_of_both_scripts_and_its_commands():
 
 def test_release_records_weighs_both_layouts_at_both_fills(binary):
     """``python -m benchmarks.release_records``: at each fill, a finite size per id and server
-    time per call for the set and for the packed hash; the packed ids take less memory (ids
-    laid end to end against a table entry and slot per id: the margin is several-fold)."""
+    time per call for the set and for the packed hash. Structure only: which layout is smaller
+    depends on the fill (the packed one from about one id per field, far above these)."""
     from benchmarks import release_records
 
     done = subprocess.run(
@@ -250,10 +250,9 @@ def test_release_records_weighs_both_layouts_at_both_fills(binary):
     assert done.stdout.startswith(f"server: {binary.label};"), done.stdout
     rows = [ln.split() for ln in done.stdout.splitlines()[2:]]
     assert [int(r[0].replace(",", "")) for r in rows] == release_records.fills(quick=True)
-    for _, set_bytes, packed_bytes, set_us, packed_us in rows:
-        values = [float(v) for v in (set_bytes, packed_bytes, set_us, packed_us)]
-        assert all(math.isfinite(v) and v > 0 for v in values), rows
-        assert values[1] < values[0], rows
+    for row in rows:
+        values = [float(v) for v in row[1:]]
+        assert len(values) == 4 and all(math.isfinite(v) and v > 0 for v in values), rows
 
 
 def test_server_bin_may_be_a_link_whose_target_runs_as_named(tmp_path, monkeypatch):
