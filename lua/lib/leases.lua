@@ -81,8 +81,15 @@ end
 -- least `remember` ms and at most about twice that (plus a heartbeat period), and an idle
 -- balancer's generations are gone within two windows. The generation's start is the
 -- P.."clock" field "remembered". Operation ids never hold SEP.
+
+-- An operation id as packed: its field (the last three characters) and the rest.
+local function packed(op)
+  return string.sub(op, -3), string.sub(op, 1, -4)
+end
+
 local function was_released(op)
-  local field, rest = string.sub(op, -3), SEP .. string.sub(op, 1, -4) .. SEP
+  local field, rest = packed(op)
+  rest = SEP .. rest .. SEP
   local ids = redis.call('HGET', P .. 'remembered', field)
   if ids and string.find(ids, rest, 1, true) then return true end
   ids = redis.call('HGET', P .. 'remembered:old', field)
@@ -91,22 +98,22 @@ end
 
 -- Remember one release's key: its field's value gains the rest of the id.
 local function remember_release(op)
-  local field = string.sub(op, -3)
+  local field, rest = packed(op)
   local ids = redis.call('HGET', P .. 'remembered', field)
-  redis.call('HSET', P .. 'remembered', field, (ids or SEP) .. string.sub(op, 1, -4) .. SEP)
+  redis.call('HSET', P .. 'remembered', field, (ids or SEP) .. rest .. SEP)
 end
 
 -- Remember a batch's release keys: one HMGET and one HSET (per CHUNK fields) for all of them.
 local function remember_releases(ops)
   local key, fields, adds = P .. 'remembered', {}, {}
   for _, op in ipairs(ops) do
-    local field = string.sub(op, -3)
+    local field, rest = packed(op)
     local add = adds[field]
     if not add then
       fields[#fields + 1] = field
       add = ''
     end
-    adds[field] = add .. string.sub(op, 1, -4) .. SEP
+    adds[field] = add .. rest .. SEP
   end
   local flat = {}
   for lo = 1, #fields, CHUNK do
