@@ -15,15 +15,16 @@ Both are filled by a script per id, the way a single release writes its record; 
 from __future__ import annotations
 
 import argparse
-import base64
-import os
 
 import redis
 
-from redis_router.local_server import LocalServer, find_server_binaries, first_server_binary
+from redis_router import core
+from redis_router.local_server import LocalServer
+
+from .__main__ import _binary
 
 SET = "redis.call('SADD', KEYS[1], ARGV[1]) return 1"
-# What lib/leases.lua's remember() writes.
+# What lib/leases.lua's remember_release() writes.
 PACKED = """
 local op = ARGV[1]
 local field = string.sub(op, -3)
@@ -38,11 +39,6 @@ def fills(quick: bool = False) -> list[int]:
     """Just past a doubling (2^k + 1/64 of it) and just before the next one."""
     k = 12 if quick else 19
     return [(1 << k) + (1 << (k - 6)), 8_000 if quick else 1_000_000]
-
-
-def operation_ids(n: int) -> list[str]:
-    text = base64.urlsafe_b64encode(os.urandom(9 * n)).decode()
-    return [text[i : i + 12] for i in range(0, 12 * n, 12)]
 
 
 def fill(client: redis.Redis, script: str, ids: list[str]) -> tuple[float, float]:
@@ -68,21 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small fills (a smoke test)")
     ap.add_argument("--server-bin", metavar="PATH", help="server binary (default: first found)")
     args = ap.parse_args(argv)
-    if args.server_bin:
-        wanted = os.path.realpath(args.server_bin)
-        found = [b for b in find_server_binaries() if os.path.realpath(b.path) == wanted]
-        binary = found[0] if found else None
-    else:
-        binary = first_server_binary()
-    if binary is None:
-        raise SystemExit("no runnable redis-server / valkey-server found")
+    binary = _binary(args.server_bin)
     print(f"server: {binary.label}; one script call per id, 12-character ids")
     print(f"{'ids':>10}  {'set B/id':>9}  {'packed B/id':>11}  {'set µs':>7}  {'packed µs':>9}")
     with LocalServer(binary) as server:
         client = server.client()
         try:
             for n in fills(args.quick):
-                ids = operation_ids(n)
+                ids = core.new_operations(n)
                 set_bytes, set_us = fill(client, SET, ids)
                 packed_bytes, packed_us = fill(client, PACKED, ids)
                 print(
