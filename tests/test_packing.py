@@ -36,17 +36,24 @@ ARGS: list[tuple[Any, ...]] = [
 needs_hiredis = pytest.mark.skipif(not HIREDIS_AVAILABLE, reason="packing in C needs hiredis")
 
 
-def _python(*args: Any) -> bytes:
-    return b"".join(bytes(chunk) for chunk in aconn.Connection().pack_command(*args))
+def _outcome(conn: Any, args: tuple[Any, ...]) -> bytes | type[DataError]:
+    """The bytes ``conn`` packs ``args`` into, or DataError where it refuses them (redis-py
+    5.0 refuses a bytearray)."""
+    try:
+        return b"".join(bytes(chunk) for chunk in conn.pack_command(*args))
+    except DataError:
+        return DataError
 
 
 @needs_hiredis
 @pytest.mark.parametrize("args", ARGS, ids=lambda a: str(a[0]))
 def test_packs_exactly_as_redis_py_does(args: tuple[Any, ...]) -> None:
-    packed = packed_in_c(aconn.Connection)()
-    assert b"".join(packed.pack_command(*args)) == _python(*args)
-    by_sync = packed_sync(redis.connection.Connection)()
-    assert b"".join(by_sync.pack_command(*args)) == _python(*args)
+    python = _outcome(aconn.Connection(), args)
+    assert _outcome(packed_in_c(aconn.Connection)(), args) == python
+    sync = _outcome(packed_sync(redis.connection.Connection)(), args)
+    assert sync == _outcome(redis.connection.Connection(), args)
+    if python is not DataError and sync is not DataError:
+        assert sync == python  # sync and asyncio connections send the same bytes
 
 
 @needs_hiredis
