@@ -56,10 +56,11 @@ def _hold_send_until_cancelled(
 
 
 def _plain(server: Any) -> Any:
-    """A client as redis-py makes it, passed in: its connections write through
-    ``asyncio.wait_for`` (the balancer's own clients write without it, so their sends lose
-    no cancel; a client passed in still does)."""
-    return aioredis.Redis.from_url(server.url)
+    """A client as redis-py makes it, with a socket timeout, passed in: its connections write
+    through ``asyncio.wait_for`` (the balancer's own clients write without it, so their sends
+    lose no cancel; a client passed in still does). redis-py writes without ``wait_for``
+    when no socket timeout is set, and older versions set none by default: one is set here."""
+    return aioredis.Redis.from_url(server.url, socket_timeout=30)
 
 
 async def _until(held: list[Any]) -> None:
