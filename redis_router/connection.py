@@ -18,7 +18,7 @@ import time
 import weakref
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
+from urllib.parse import SplitResult, parse_qs, parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from redis import exceptions as rx
 from redis.asyncio.sentinel import MasterNotFoundError as AsyncMasterNotFoundError
@@ -347,6 +347,22 @@ def connect(url: str, *, asyncio: bool = False) -> Any:
         ) from None
 
 
+def _query_credentials(url: str) -> tuple[str, dict[str, str]]:
+    """``url`` without its ``?password=`` / ``?username=``, and those values decoded once.
+    redis-py before 8.1 decodes query values twice, so a password holding ``%40`` as such
+    reached the server as ``@``."""
+    parts = urlsplit(url)
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    credentials: dict[str, str] = {}
+    for key, value in pairs:  # the first non-empty value, as redis-py takes it
+        if key in ("username", "password") and value:
+            credentials.setdefault(key, value)
+    if not credentials:
+        return url, {}
+    rest = urlencode([(k, v) for k, v in pairs if k not in credentials])
+    return urlunsplit(parts._replace(query=rest)), credentials
+
+
 class _UrlError(ValueError):
     """A URL refused by this module, whose message is already free of credentials."""
 
@@ -354,7 +370,9 @@ class _UrlError(ValueError):
 def _connect(url: str, scheme: str, asyncio: bool) -> Any:
     opts = dict(CLIENT_OPTIONS, decode_responses=True, retry=_retry(asyncio))
     if scheme in ("redis", "rediss", "unix"):
-        return _packing(_redis_module("", asyncio).Redis.from_url(url, **opts), asyncio)
+        url, credentials = _query_credentials(url)
+        client = _redis_module("", asyncio).Redis.from_url(url, **opts, **credentials)
+        return _packing(client, asyncio)
 
     parts = urlsplit(url)
     netloc = parts.netloc.rsplit("@", 1)[-1]

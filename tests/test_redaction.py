@@ -22,7 +22,7 @@ from urllib.parse import quote
 import pytest
 
 from redis_router import AsyncRedisLoadBalancer, RedisLoadBalancer, RedisUnavailable
-from redis_router.connection import redact
+from redis_router.connection import _query_credentials, redact
 from redis_router.local_server import LocalServer, ServerBinary
 
 CHUNKS = ("Zq7", "Wk8", "Xr9", "Yp6", "Vb5", "Ut4", "Sm3")
@@ -160,6 +160,16 @@ def wait_for(predicate: Any, timeout: float = 20.0) -> bool:
             return True
         time.sleep(0.05)
     return bool(predicate())
+
+
+def test_query_credentials_are_decoded_once_and_the_rest_kept() -> None:
+    # redis-py before 8.1 decodes a query value twice: %2540 would reach the server as @.
+    url = "redis://h:1/0?password=a%2540b&db=2&username=&password=second&username=u%25"
+    assert _query_credentials(url) == (
+        "redis://h:1/0?db=2",
+        {"password": "a%40b", "username": "u%"},
+    )
+    assert _query_credentials("unix:///s.sock?db=1") == ("unix:///s.sock?db=1", {})
 
 
 @pytest.mark.parametrize("form", ["password", "user-password", "query-password", "unix"])
