@@ -38,7 +38,7 @@ needs_hiredis = pytest.mark.skipif(not HIREDIS_AVAILABLE, reason="packing in C n
 
 def _outcome(conn: Any, args: tuple[Any, ...]) -> bytes | type[DataError]:
     """The bytes ``conn`` packs ``args`` into, or DataError where it refuses them (redis-py
-    5.0 refuses a bytearray)."""
+    before 7.3, the 7.2.1 floor included, refuses a bytearray)."""
     try:
         return b"".join(bytes(chunk) for chunk in conn.pack_command(*args))
     except DataError:
