@@ -1,13 +1,20 @@
 """What a newcomer meets in the first hour: a wrong password or host said as a configuration
-error (not an outage), a mistyped keyword refused, a closed balancer that routes no more."""
+error (not an outage), a mistyped keyword refused, a closed balancer that routes no more, and
+the small things around the CLI, the simulator, docker-compose and the shipped plugins."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import io
+import re
 from collections.abc import Callable, Iterator
+from contextlib import redirect_stdout
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 import redis_router as rr  # the new errors as rr.X: on an older tree each test fails alone
 from redis_router import (
@@ -15,13 +22,18 @@ from redis_router import (
     RedisLoadBalancer,
     RedisRouterError,
     RedisUnavailable,
+    cli,
+    get_router_handle,
 )
+from redis_router.core import OPTION_DEFAULTS
 from redis_router.local_server import LocalServer, ServerBinary
 from redis_router.plugins.least_tokens import LeastTokensRouter
 from redis_router.plugins.prefix_cache import PrefixCacheRouter
+from redis_router.tools import simulate
 
 from .test_cli import UNREACHABLE, assert_one_line_error, run_cli
 
+ROOT = Path(__file__).resolve().parent.parent
 SERVERS = {"a": None, "b": None}
 PASSWORD = "s3cr3t-Pw"
 WRONG = "wr0ng-Pw"
@@ -238,3 +250,65 @@ def test_a_closed_asyncio_balancer_behaves_as_the_sync_one(server, make_lb) -> N
     asyncio.run(main())
     assert observer.get_total_inflight() == 0
     assert observer.get_status()["holders"]["live"] == 0
+
+
+# -- the CLI, the simulator, docker-compose, the plugins ---------------------------------------
+
+
+def test_version_prints_the_distribution_version() -> None:
+    proc = run_cli("--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"redis-router {importlib.metadata.version('llm-redis-router')}\n"
+
+
+def test_a_bad_replica_id_is_called_a_replica_id() -> None:
+    line = assert_one_line_error(run_cli("servers", "add", "", redis=UNREACHABLE), "replica id")
+    assert "servers key" not in line and "hunter2" not in line
+
+
+def test_simulate_help_explains_every_option_in_plain_words() -> None:
+    parser = cli.build_parser(["simulate"])
+    sub = next(a for a in parser._actions if a.dest == "command")
+    actions = sub.choices["simulate"]._actions  # type: ignore[attr-defined]
+    missing = [a.option_strings for a in actions if not a.help]
+    assert missing == []
+    text = sub.choices["simulate"].format_help()  # type: ignore[attr-defined]
+    assert "ALL_WORKLOADS" not in text  # an internal name
+    assert "dp" in text and "('" not in text  # the workloads as words, not a tuple
+
+
+def test_simulate_quick_does_not_judge_the_targets_it_is_too_small_for(server) -> None:
+    out = io.StringIO()
+    argv = ["--quick", "--redis", server.url, "--workloads", "multi-turn,grpo"]
+    argv += ["--routers", "least-loaded,prefix-cache", "--no-bench"]
+    with redirect_stdout(out):
+        assert simulate.main(argv) == 0
+    lines = [x for x in out.getvalue().splitlines() if x.startswith("- ")]
+    assert len(lines) == 2 and all("not judged" in x for x in lines), lines
+    assert not any(re.search(r": (NOT )?met$", x) for x in lines)
+    # A full run still judges them, from the same figures.
+    results = [
+        simulate.Result(w, r, 48, 100, int(h * 100), h, 1.1, 10, 1.0, 1.0, 1.0)
+        for w, r, h in (("grpo", "least-loaded", 0.4), ("grpo", "prefix-cache", 0.8))
+    ]
+    assert simulate.targets(results, None)[0].endswith(": met")
+    assert simulate.targets(results, None, quick=True)[0].endswith(simulate.NOT_JUDGED)
+
+
+def test_docker_compose_takes_the_host_port_from_redis_port() -> None:
+    text = (ROOT / "docker-compose.yml").read_text()
+    ports = yaml.safe_load(text)["services"]["redis"]["ports"]
+    assert ports == ["${REDIS_PORT:-6379}:6379"]
+    assert "REDIS_PORT=" in text  # the comment says how to pick another
+
+
+@pytest.mark.parametrize("plugin", ["least_tokens", "prefix_cache"])
+def test_shipped_plugins_use_the_library_lease_ttl(server, monkeypatch, plugin) -> None:
+    monkeypatch.setenv("REDIS_URL", server.url)
+    config = f"pkg://redis_router.plugins/{plugin}.yaml"
+    lb = get_router_handle(SERVERS, config, name=f"ttl-{plugin}")
+    try:
+        assert lb.get_status()["lease_ttl"] == OPTION_DEFAULTS["lease_ttl"]
+    finally:
+        lb.close()
+    assert "lease_ttl" not in yaml.safe_load((ROOT / "plugins" / f"{plugin}.yaml").read_text())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -43,6 +44,7 @@ class Command(NamedTuple):
         return getattr(loaded, name) if name else loaded
 
 
+DISTRIBUTION = "llm-redis-router"  # pyproject.toml's [project] name
 PRIVATE_SERVER = "a private server started for the run and removed afterwards"
 
 # Adding a subcommand is one entry here plus its code. status and exporter only read.
@@ -121,6 +123,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         epilog="Run `redis-router COMMAND --help` for a command's options.",
     )
     _add_globals(parser, suppress=False)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = _chosen_command(argv)
     for name, cmd in COMMANDS.items():
@@ -131,6 +134,16 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
             handlers.add_arguments(p)
             p.set_defaults(_run=handlers.run)
     return parser
+
+
+def version() -> str:
+    """The installed distribution's version (the package's own when run from a checkout)."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        from .. import __version__
+
+        return __version__
 
 
 def _fail(message: str, url: str, status: int = 1) -> int:
