@@ -32,7 +32,7 @@ from .connection import (
     send_failure,
     sentinel_check_due,
     stale_pools,
-    unavailable_message,
+    unavailable,
 )
 from .core import (
     EJECTION_SLACK,
@@ -116,8 +116,8 @@ class AsyncLease:
 
     async def renew(self, remaining: int | None = None) -> bool:
         """Restart the lease's age and, with ``remaining``, set its weight (see Lease.renew).
-        False if the lease is already gone."""
-        if self._released:
+        False if the lease is already gone (as after the balancer's close())."""
+        if self._released or self._balancer._core.closed:
             if remaining is not None:
                 validation.weight(remaining, "remaining")
             return False
@@ -339,6 +339,9 @@ class AsyncRedisLoadBalancer:
     async def _run(self, op: Op[T], ordered: bool = False) -> T:
         """Run an operation; ``ordered``: on the balancer's ordered connection, behind the
         releases written before it (when it has one)."""
+        if self._core.closed:
+            op.close()
+            raise self._core.closed_error()
         self._bind()
         if not _succeeded(self._setup):
             await self._ensure_setup()
@@ -367,7 +370,7 @@ class AsyncRedisLoadBalancer:
             try:
                 await initialize()
             except (rx.RedisClusterException, rx.ConnectionError, rx.TimeoutError) as exc:
-                raise RedisUnavailable(unavailable_message(self.url, exc)) from None
+                raise unavailable(self.url, exc) from None
         await self._drive(self._core.setup(self._initial))
         if self._pipe is not None:  # releases are written at once from the first on
             await self._scripts.preload_async(self._core.release_script)
@@ -667,7 +670,10 @@ class AsyncRedisLoadBalancer:
         token: str | None = None,
         failed: bool = False,
     ) -> AsyncReleased:
-        """Queue a release now and let it be answered in the background."""
+        """Queue a release now and let it be answered in the background; after close() a
+        no-op whose result is False, as for the sync balancer."""
+        if self._core.closed:
+            return self._post_done(False)
         self._bind()
         future: asyncio.Future[bool]
         if self._pipe is not None and _succeeded(self._setup):
@@ -791,6 +797,7 @@ class AsyncRedisLoadBalancer:
         self, request_id: str, *, wait: float | None = None, **fields: Any
     ) -> tuple[str, Any]:
         """Route a request (see RedisLoadBalancer.acquire_server). Returns (id, handle)."""
+        self._core.check_acquire(fields)
         g = await self._acquire_waiting(validation.request_id(request_id), None, fields, wait)
         return g.server_id, g.handle
 
@@ -799,6 +806,7 @@ class AsyncRedisLoadBalancer:
     ) -> list[tuple[str, Any]]:
         """Route many requests in one round trip (see RedisLoadBalancer.acquire_many)."""
         rids = validation.request_ids(request_ids)
+        self._core.check_acquire(fields)
         per = fields_per_request(len(rids), fields)
         budget = None if wait is None else health.wait_seconds(wait)
         grants = await self._admitted(self._acquire(rids, None, per), rids, None, per, budget)
@@ -816,6 +824,7 @@ class AsyncRedisLoadBalancer:
         RedisLoadBalancer.acquire)."""
         rid = validation.request_id(request_id)
         checked = validation.token(token) if token is not None else None
+        self._core.check_acquire(fields)
         return AsyncLease(self, await self._acquire_waiting(rid, checked, fields, wait))
 
     async def _acquire_waiting(
@@ -875,7 +884,8 @@ class AsyncRedisLoadBalancer:
         queued at once, ahead of every later call of this balancer, and answered in the
         background. ``await`` what this returns for the result (True if a lease ended); the
         release goes out whether or not anyone awaits it, and close() waits for it.
-        ``failed=True``: the request failed (see RedisLoadBalancer.release_server)."""
+        ``failed=True``: the request failed (see RedisLoadBalancer.release_server). After
+        close(), a no-op whose result is False (see RedisLoadBalancer.close)."""
         sid = validation.server_id(server_id)
         rid = validation.request_id(request_id) if request_id is not None else None
         return self._post(sid, rid, None, validation.flag(failed, "failed"))
@@ -950,11 +960,12 @@ class AsyncRedisLoadBalancer:
 
     async def close(self) -> None:
         """Stop the heartbeats, end unreleased leases at once, close the pool if
-        this balancer made it."""
+        this balancer made it. Afterwards calls fail as RedisLoadBalancer.close says."""
         try:
             self._bind()
         except RedisRouterError:  # a client passed in, whose loop closed: nothing can be sent
             self._keeper = None
+            self._core.closed = True
             return
         if self._posted:  # releases not yet answered go first (bounded)
             await asyncio.wait(set(self._posted), timeout=KEEPER_STOP_TIMEOUT)
@@ -968,6 +979,7 @@ class AsyncRedisLoadBalancer:
                 await self._run(self._core.retire())
             except (RedisRouterError, rx.RedisError) as exc:
                 keeper.report_close_failed(self._core, exc)
+        self._core.closed = True
         if self._pipe is not None:
             await self._pipe.close()
         if self._owns_client:

@@ -67,8 +67,8 @@ class Lease:
         needs no renewal). ``remaining``: the lease's weight from now on, what is left of its
         work in its policy's units (least_tokens with remaining_work: ``policy.weigh(...)``);
         absolute, so sending it twice changes nothing more. False if the lease is already
-        gone (nothing is written)."""
-        if self._released:
+        gone, as after the balancer's close() (nothing is written)."""
+        if self._released or self._balancer._core.closed:
             if remaining is not None:
                 validation.weight(remaining, "remaining")
             return False
@@ -231,7 +231,11 @@ class RedisLoadBalancer:
         return self._scripts.command(call.script, self._core.prefix, call.args)
 
     def _post(self, op: Op[bool]) -> Released[bool]:
-        """Run a release without waiting for its reply (written at once, read later)."""
+        """Run a release without waiting for its reply (written at once, read later). After
+        close() a release is a no-op whose result is False: close() ended the leases."""
+        if self._core.closed:
+            op.close()
+            return Released.of(False)
         if self._outbox is None:
             return Released.of(self._run(op))
         self._load_release()
@@ -358,6 +362,9 @@ class RedisLoadBalancer:
             time.sleep(min(timeout, TRANSIENT_BACKOFF[0]))
 
     def _run(self, op: Op[T]) -> T:
+        if self._core.closed:
+            op.close()
+            raise self._core.closed_error()
         try:
             call = next(op)
             while True:
@@ -387,6 +394,7 @@ class RedisLoadBalancer:
         ``wait``: seconds to wait for a place when every eligible replica is full (default
         the balancer's ``wait_timeout``; 0 raises NoCapacity at once). Returns (id, handle)."""
         rid = validation.request_id(request_id)
+        self._core.check_acquire(fields)
         g = self._acquire([rid], None, [fields] if fields else None, _wait(wait))[0]
         return g.server_id, g.handle
 
@@ -397,6 +405,7 @@ class RedisLoadBalancer:
         field is a sequence with one value per request id (``prompt_ids=[...]``). With
         capacities, the batch is granted whole or not at all."""
         rids = validation.request_ids(request_ids)
+        self._core.check_acquire(fields)
         per = fields_per_request(len(rids), fields)
         grants = self._acquire(rids, None, per, _wait(wait))
         return [(g.server_id, g.handle) for g in grants]
@@ -414,6 +423,7 @@ class RedisLoadBalancer:
         ``wait``: as acquire_server."""
         rid = validation.request_id(request_id)
         tokens = [validation.token(token)] if token is not None else None
+        self._core.check_acquire(fields)
         return Lease(
             self, self._acquire([rid], tokens, [fields] if fields else None, _wait(wait))[0]
         )
@@ -467,7 +477,8 @@ class RedisLoadBalancer:
         milliseconds from the background). The result, ``.result()`` (or ``bool()`` of what
         this returns), waits for the reply: True if a lease ended. Releasing twice, or for an
         unknown or removed replica, is a no-op whose result is False; a copy resent after a
-        timeout reports the first one's result and ends nothing else.
+        timeout reports the first one's result and ends nothing else; so is a release after
+        close(), which ended this balancer's leases (nothing is sent).
         ``failed=True``: the request failed (passive health, see ``Lease.fail``)."""
         sid = validation.server_id(server_id)
         rid = validation.request_id(request_id) if request_id is not None else None
@@ -564,7 +575,9 @@ class RedisLoadBalancer:
     def close(self) -> None:
         """Stop the heartbeats and end this balancer's unreleased leases at once
         (nothing can keep them alive any more); close the connection pool if this balancer
-        made it (a client you passed stays open). Releases not yet answered are read first."""
+        made it (a client you passed stays open). Releases not yet answered are read first.
+        Afterwards every call raises BalancerClosed, except a release or renewal, which
+        returns False (the lease is gone), and close() itself (it does nothing more)."""
         if self._outbox is not None:
             self._outbox.close()
         stopping, self._keeper = self._keeper, None
@@ -574,6 +587,7 @@ class RedisLoadBalancer:
                 self._run(self._core.retire())
             except (RedisRouterError, rx.RedisError) as exc:
                 keeper.report_close_failed(self._core, exc)
+        self._core.closed = True
         if self._owns_client:
             self._client.close()
 

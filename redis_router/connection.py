@@ -14,6 +14,7 @@ import importlib
 import math
 import os
 import re
+import socket
 import time
 import weakref
 from collections.abc import Callable
@@ -24,7 +25,13 @@ from redis import exceptions as rx
 from redis.asyncio.sentinel import MasterNotFoundError as AsyncMasterNotFoundError
 from redis.sentinel import MasterNotFoundError
 
-from .errors import RedisOutOfMemory, RedisUnavailable
+from .errors import (
+    CredentialsRefused,
+    RedisConfigError,
+    RedisOutOfMemory,
+    RedisUnavailable,
+    UnknownRedisHost,
+)
 from .packing import pack_in_c
 
 DEFAULT_URL = "redis://localhost:6379/0"
@@ -188,8 +195,10 @@ def send_failure(
     """What a failed script call means, for the sync and async balancers alike: the exception
     to raise, or None when nothing was written and the call should be resent after a pause
     (``final``: no pause is left)."""
-    if isinstance(exc, (rx.ConnectionError, rx.TimeoutError)):
-        return RedisUnavailable(unavailable_message(url, exc))
+    if isinstance(
+        exc, (rx.ConnectionError, rx.TimeoutError, rx.AuthenticationWrongNumberOfArgsError)
+    ):
+        return unavailable(url, exc)
     if out_of_memory(exc):
         return out_of_memory_error(url, exc)
     if not transient(exc):
@@ -223,6 +232,67 @@ def out_of_memory_error(url: str, exc: Exception) -> RedisOutOfMemory:
         "(CONFIG SET maxmemory), and keep maxmemory-policy noeviction (an evicting policy "
         "would drop leases and corrupt counts)",
         reply,
+    )
+
+
+# getaddrinfo's "no such host" (not EAI_AGAIN, a DNS server that did not answer: an outage).
+_NO_SUCH_HOST = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
+# The same in an error rebuilt from text, which lost its cause (glibc's and macOS's words).
+_NO_SUCH_HOST_TEXT = re.compile(
+    r"Name or service not known|nodename nor servname provided|No address associated with host"
+)
+# Redis's replies when it requires a password the client did not give: NOAUTH (redis-py
+# strips the prefix), and HELLO's words for it.
+_NO_PASSWORD = re.compile(r"NOAUTH|[Aa]uthentication required|already authenticated")
+
+
+def unavailable(url: str, exc: Exception) -> RedisUnavailable | RedisConfigError:
+    """What a failure to reach Redis raises: RedisUnavailable (an outage: calls work again
+    once Redis is back), or a RedisConfigError when no retry can help: Redis refused the
+    credentials (CredentialsRefused), or the host name does not resolve (UnknownRedisHost).
+    ``url`` is already redacted."""
+    return config_error(url, exc) or RedisUnavailable(unavailable_message(url, exc))
+
+
+def config_error(url: str, exc: BaseException) -> RedisConfigError | None:
+    """The RedisConfigError that ``exc`` (or an error it was raised from) means, if any."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # the error, its cause, theirs: a few links at most
+        if seen is None:
+            break
+        if isinstance(seen, (rx.AuthenticationError, rx.AuthenticationWrongNumberOfArgsError)):
+            return CredentialsRefused(_credentials_message(url, seen))
+        if isinstance(seen, socket.gaierror) and seen.errno in _NO_SUCH_HOST:
+            return UnknownRedisHost(_unknown_host_message(url, exc))
+        seen = seen.__cause__ or seen.__context__
+    if isinstance(exc, rx.ConnectionError) and _NO_SUCH_HOST_TEXT.search(str(exc)):
+        return UnknownRedisHost(_unknown_host_message(url, exc))
+    return None
+
+
+def _credentials_message(url: str, exc: BaseException) -> str:
+    # Redis's own words, up to the first comma (HELLO's go on about its syntax)
+    reply = hide_userinfo(str(exc)).splitlines()[0].split(",")[0][:120].rstrip(". ") or "refused"
+    if isinstance(exc, rx.AuthenticationWrongNumberOfArgsError):
+        why = "it takes a password only (a server before Redis 6 has no users): drop the user name"
+    elif _NO_PASSWORD.search(str(exc)):
+        why = "it requires a password and the URL gives none"
+    else:
+        why = "the password is wrong, or the user does not exist or is disabled"
+    return (
+        f"Redis at {url} refused the credentials: {why} (Redis: {reply}); retrying will not "
+        "help. Check the user name and password in the URL (redis://USER:PASSWORD@host:port/db, "
+        "percent-encoded, or ?username=...&password=...) and the server's requirepass or ACL "
+        "user (ACL LIST: the user must exist, be on, and have that password)"
+    )
+
+
+def _unknown_host_message(url: str, exc: BaseException) -> str:
+    detail = hide_userinfo(str(exc)).splitlines()[0][:200].rstrip(". ")
+    return (
+        f"the host of Redis at {url} does not resolve ({detail}); retrying will not help. "
+        "Check the host name in the URL (its spelling; a name known only inside a container "
+        "or cluster network)"
     )
 
 
@@ -388,7 +458,7 @@ def _connect(url: str, scheme: str, asyncio: bool) -> Any:
                 startup_nodes=nodes, password=password, username=username, **opts
             )
         except (rx.RedisClusterException, rx.ConnectionError, rx.TimeoutError) as exc:
-            raise RedisUnavailable(unavailable_message(redact(url), exc)) from None
+            raise unavailable(redact(url), exc) from None
     path = [p for p in parts.path.split("/") if p]
     if not path:
         raise _UrlError(

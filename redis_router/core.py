@@ -18,7 +18,7 @@ from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from . import dp, engine, health, validation
-from .errors import ConfigMismatch, NoCapacity, NoServersAvailable, ReplicaEjected
+from .errors import BalancerClosed, ConfigMismatch, NoCapacity, NoServersAvailable, ReplicaEjected
 from .policy import RoutingPolicy, make_policy
 from .scoring import EngineScoring
 from .scoring import engine_scoring as engine_scoring_option
@@ -424,10 +424,36 @@ class BalancerCore:
         self.handles: dict[str, Any] = {}
         self._decoded: dict[str, Any] = {}
         self.policy = policy
+        # The keywords an acquire takes besides its own (wait, token...): the fields the
+        # policy reads, and group_id, which every acquire reads (see check_acquire).
+        self.accepted_fields = frozenset((*policy.acquire_fields, GROUP_FIELD))
+        # Set by the balancer's close(): it routes nothing more (see check_acquire).
+        self.closed = False
         self._acquire, self._release = policy.script, load("release")
         # Called before every acquire, whichever router's script it runs: the balancer starts
         # its keeper here, so no path can take a lease that nothing keeps alive.
         self.on_acquire: Callable[[], None] = _nothing
+
+    def check_acquire(self, fields: Mapping[str, Any]) -> None:
+        """Refuse an acquire, before anything is sent, once the balancer is closed
+        (BalancerClosed: its leases were ended and no keeper would keep a new one alive), or
+        when a keyword is not a field the policy reads (TypeError naming it: a mistyped
+        ``wait`` would otherwise be taken for a field and ignored)."""
+        if self.closed:
+            raise self.closed_error()
+        if fields and not self.accepted_fields.issuperset(fields):
+            unknown = sorted(k for k in fields if k not in self.accepted_fields)
+            raise TypeError(
+                f"unknown keyword(s) {unknown} for an acquire of balancer {self.name!r}: "
+                f"it takes wait= (acquire: token=; lease: renew_every=) and the request fields "
+                f"it reads (policy {self.policy.name!r}): {sorted(self.accepted_fields)}"
+            )
+
+    def closed_error(self) -> BalancerClosed:
+        return BalancerClosed(
+            f"balancer {self.name!r} was closed (its leases were ended and nothing keeps new "
+            "ones alive); create a new one"
+        )
 
     def new_holder(self) -> None:
         """Take a fresh holder id (at construction, and in a forked child: a child must not

@@ -37,6 +37,27 @@ class RedisUnavailable(RedisRouterError, ConnectionError):
     password. Calls fail fast with this during an outage and work again once Redis is back."""
 
 
+class RedisConfigError(RedisRouterError):
+    """Redis refused this process's connection settings, or the URL names no host that
+    exists: a configuration error, which retrying cannot mend. Not a RedisUnavailable, so
+    callers that ride out an outage by retrying fail at once on this instead. The message
+    says what was refused and what to check, never the password."""
+
+
+class CredentialsRefused(RedisConfigError):
+    """Redis refused the URL's user name or password (a wrong password, an unknown or
+    disabled ACL user), or requires a password that the URL does not give."""
+
+
+class UnknownRedisHost(RedisConfigError):
+    """The URL's host name does not resolve (no such host in DNS)."""
+
+
+class BalancerClosed(RedisRouterError):
+    """The balancer was closed: its leases were ended and nothing keeps new ones alive, so
+    it routes nothing more. Create a new balancer."""
+
+
 class RedisOutOfMemory(RedisUnavailable):
     """Redis refused a write because it is out of memory (``used_memory`` above ``maxmemory``
     with ``maxmemory-policy noeviction``); the script that was refused wrote nothing, so a
