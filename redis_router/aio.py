@@ -188,6 +188,7 @@ class AsyncRedisLoadBalancer:
         engine_scoring: EngineScoring | Mapping[str, Any] | bool | None = None,
         spread_sessions: bool = False,
         coalesce: bool = True,
+        max_connections: int | None = None,
         **policy_options: Any,
     ) -> None:
         if not isinstance(coalesce, bool):
@@ -219,9 +220,12 @@ class AsyncRedisLoadBalancer:
         )
         self._keeper: asyncio.Future[None] | None = None
         self._initial = validation.servers_mapping(servers) if servers is not None else {}
-        self._client, self.url, self._owns_client = client_for(redis, asyncio=True)
+        self._client, self.url, self._owns_client = client_for(
+            redis, asyncio=True, max_connections=max_connections
+        )
         # What the client was made from, to make it again on another event loop (below).
         self._given_url = resolve_url(redis) if self._owns_client else None
+        self._max_connections = max_connections
         self._scripts = Sender(self._client)  # FCALL or EVALSHA, probed on the first call
         self._setup: asyncio.Future[None] | None = None
         self._coalesce = coalesce
@@ -284,7 +288,9 @@ class AsyncRedisLoadBalancer:
         else:
             # The old client's connections belong to the old loop; they cannot even be closed
             # from here and go with the old client.
-            self._client = connect(self._given_url, asyncio=True)
+            self._client = connect(
+                self._given_url, asyncio=True, max_connections=self._max_connections
+            )
             self._scripts = Sender(self._client)
         self._make_coalescers()
         if self._setup is not None and not self._setup.done():

@@ -110,6 +110,10 @@ class RedisLoadBalancer:
     ``policy`` places new sessions (:mod:`redis_router.policy`; default least loaded): a
     :class:`~redis_router.policy.RoutingPolicy`, its class, or its registered name, with its
     options as further keyword arguments. Every acquire path goes through it.
+
+    ``max_connections`` (default 100): the size of the connection pool of the client made
+    from the URL; a call finding every connection busy waits for one (at most
+    ``connection.POOL_WAIT`` s), then raises PoolExhausted (docs/operations.md).
     """
 
     default_policy: type[RoutingPolicy] = LeastLoaded
@@ -139,6 +143,7 @@ class RedisLoadBalancer:
         wait_timeout: float = 0.0,
         engine_scoring: EngineScoring | Mapping[str, Any] | bool | None = None,
         spread_sessions: bool = False,
+        max_connections: int | None = None,
         **policy_options: Any,
     ) -> None:
         self._core, redis = build_core(
@@ -169,7 +174,9 @@ class RedisLoadBalancer:
         checked = validation.servers_mapping(servers) if servers is not None else {}
         self._keeper: keeper.ThreadKeeper | None = None
         self._keeper_lock = threading.Lock()
-        self._client, self.url, self._owns_client = client_for(redis, asyncio=False)
+        self._client, self.url, self._owns_client = client_for(
+            redis, asyncio=False, max_connections=max_connections
+        )
         self._scripts = Sender(self._client)  # FCALL or EVALSHA, probed on the first call
         # Releases are written at once and answered later (redis_router.outbox); through a
         # Cluster or Sentinel client they wait for their reply (connection.direct_pool).

@@ -31,7 +31,7 @@ from redis import exceptions as rx
 
 from .connection import transient
 from .core import Call, Op
-from .errors import RedisUnavailable
+from .errors import PoolExhausted, RedisUnavailable
 
 log = logging.getLogger("redis_router")
 
@@ -274,6 +274,8 @@ class Outbox:
             if conn is None:
                 conn = self._conn = _connection(self._pool)
             conn.send_packed_command(conn.pack_command(*command), check_health=False)
+        except PoolExhausted:  # sent the ordinary way, which waits its turn too
+            return False
         except _ERRORS:
             # Perhaps written: the resend (same operation id) is safe either way.
             self._broken()
