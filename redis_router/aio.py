@@ -355,7 +355,15 @@ class AsyncRedisLoadBalancer:
         them (reads, pool changes: everything but the coalesced acquires and releases, which
         go out in the order they were made)."""
         if self._posted:
-            await asyncio.wait(set(self._posted))
+            posted = set(self._posted)
+            await asyncio.wait(posted)
+            for future in posted:
+                error = None if future.cancelled() else future.exception()
+                if type(error) is RedisUnavailable:
+                    # Redis failed them just now (silent for a whole socket timeout, or
+                    # unreachable): this call fails with them rather than wait as long again.
+                    op.close()
+                    raise RedisUnavailable(str(error))
         return await self._run(op)
 
     async def _ensure_setup(self) -> None:
@@ -727,6 +735,13 @@ class AsyncRedisLoadBalancer:
         self, op: Op[list[bool]], call: Call, futures: list[asyncio.Future[bool]], reply: Any
     ) -> None:
         if isinstance(reply, BaseException):
+            if isinstance(reply, rx.TimeoutError):
+                # Redis silent for a socket timeout: failed (reconciliation ends the lease
+                # once Redis is back), not resent to wait as long again.
+                op.close()
+                _settle_all(futures, None, self._refused(reply))
+                self._settled(futures)
+                return
             # A broken connection, or an error reply: sent again the ordinary way (the
             # release's operation ids make a second copy end nothing more).
             self._later(self._release_ordinary(op, call, futures))

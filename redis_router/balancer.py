@@ -199,6 +199,8 @@ class RedisLoadBalancer:
                 if isinstance(reply, rx.ResponseError):
                     if not unsent(reply):  # the script's refusal, as the ordinary path says it
                         raise self._failure(reply)
+                elif isinstance(reply, rx.TimeoutError):  # Redis silent: not resent
+                    raise self._failure(reply)
                 elif isinstance(reply, (rx.RedisError, OSError)):  # the connection broke
                     if not resends(self._client):  # a client made without retries
                         raise self._failure(rx.ConnectionError(str(reply)))

@@ -303,10 +303,16 @@ def _redis_module(name: str, asyncio: bool) -> Any:
 
 
 def _retry(asyncio: bool) -> Any:
+    """Resend after a dropped connection (refused, reset: it fails at once), never after a
+    timeout: a silent Redis would make every copy wait a whole socket timeout more, so one
+    call on it fails after one timeout (docs/operations.md, "A silent Redis")."""
     from redis.backoff import ExponentialBackoff
 
     retry = _redis_module(".retry", asyncio).Retry
-    return retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES)
+    return retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES, supported_errors=_RESENT)
+
+
+_RESENT = (rx.ConnectionError,)
 
 
 def _no_retry(asyncio: bool) -> Any:
