@@ -35,18 +35,21 @@ from .connection import (
     unavailable,
 )
 from .core import (
-    EJECTION_SLACK,
-    RECLAIM_CALLS,
-    WAIT_SLACK,
+    Admission,
+    Attempt,
+    Block,
     Call,
     Grant,
     Op,
+    Pause,
+    Step,
+    Steps,
     T,
+    admit,
     build_core,
     fields_per_request,
     new_token,
     new_tokens,
-    probation_wait,
 )
 from .direct import Pipe
 from .engine import EngineLoad
@@ -55,7 +58,6 @@ from .errors import (
     NoServersAvailable,
     RedisRouterError,
     RedisUnavailable,
-    ReplicaEjected,
 )
 from .invoke import Sender
 from .policy import LeastLoaded, RoutingPolicy
@@ -188,6 +190,7 @@ class AsyncRedisLoadBalancer:
         engine_scoring: EngineScoring | Mapping[str, Any] | bool | None = None,
         spread_sessions: bool = False,
         coalesce: bool = True,
+        max_connections: int | None = None,
         **policy_options: Any,
     ) -> None:
         if not isinstance(coalesce, bool):
@@ -219,9 +222,12 @@ class AsyncRedisLoadBalancer:
         )
         self._keeper: asyncio.Future[None] | None = None
         self._initial = validation.servers_mapping(servers) if servers is not None else {}
-        self._client, self.url, self._owns_client = client_for(redis, asyncio=True)
+        self._client, self.url, self._owns_client = client_for(
+            redis, asyncio=True, max_connections=max_connections
+        )
         # What the client was made from, to make it again on another event loop (below).
         self._given_url = resolve_url(redis) if self._owns_client else None
+        self._max_connections = max_connections
         self._scripts = Sender(self._client)  # FCALL or EVALSHA, probed on the first call
         self._setup: asyncio.Future[None] | None = None
         self._coalesce = coalesce
@@ -284,7 +290,9 @@ class AsyncRedisLoadBalancer:
         else:
             # The old client's connections belong to the old loop; they cannot even be closed
             # from here and go with the old client.
-            self._client = connect(self._given_url, asyncio=True)
+            self._client = connect(
+                self._given_url, asyncio=True, max_connections=self._max_connections
+            )
             self._scripts = Sender(self._client)
         self._make_coalescers()
         if self._setup is not None and not self._setup.done():
@@ -352,7 +360,15 @@ class AsyncRedisLoadBalancer:
         them (reads, pool changes: everything but the coalesced acquires and releases, which
         go out in the order they were made)."""
         if self._posted:
-            await asyncio.wait(set(self._posted))
+            posted = set(self._posted)
+            await asyncio.wait(posted)
+            for future in posted:
+                error = None if future.cancelled() else future.exception()
+                if type(error) is RedisUnavailable:
+                    # Redis failed them just now (silent for a whole socket timeout, or
+                    # unreachable): this call fails with them rather than wait as long again.
+                    op.close()
+                    raise RedisUnavailable(str(error))
         return await self._run(op)
 
     async def _ensure_setup(self) -> None:
@@ -428,87 +444,27 @@ class AsyncRedisLoadBalancer:
             for rid, token in zip(request_ids, tokens, strict=True):
                 self._post("", rid, token)
 
-    async def _admitted(
-        self,
-        first: Awaitable[list[Grant]],
-        request_ids: list[str],
-        tokens: list[str] | None,
-        fields: Sequence[Mapping[str, Any]] | None,
-        wait: float | None,
-        reclaimed: bool = False,
-    ) -> list[Grant]:
-        """``first`` (an acquire), and when it finds every eligible replica full, dead
-        processes' places reclaimed (once, see RedisLoadBalancer._reclaim_for_place) and a
-        wait in the queue (see RedisLoadBalancer._wait_for_place) of at most ``wait``
-        seconds."""
-        core = self._core
-        budget = core.wait_timeout if wait is None else wait
-        deadline = time.monotonic() + budget
-        tokens = tokens or new_tokens(len(request_ids))
-        try:
-            return await first
-        except ReplicaEjected as exc:  # a sticky session waits for its replica's return
-            ejected: ReplicaEjected | None = exc
-        except NoCapacity:
-            if not reclaimed and await self._reclaim_for_place():
-                return await self._admitted(
-                    self._acquire(request_ids, tokens, fields),
-                    request_ids,
-                    tokens,
-                    fields,
-                    wait,
-                    reclaimed=True,
-                )
-            if budget <= 0:
-                raise
-            ejected = None
-        while ejected is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ejected
-            await asyncio.sleep(min(left, ejected.seconds_left + EJECTION_SLACK))
-            try:
-                return await self._acquire(request_ids, tokens, fields)
-            except ReplicaEjected as exc:
-                ejected = exc
-            except NoCapacity:
-                break
-        ticket = new_token()
-        await self._run(core.enqueue(ticket, max(0.0, deadline - time.monotonic()) + WAIT_SLACK))
-        served = False
-        try:
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise NoCapacity(
-                        f"balancer {core.name!r}: no replica could take the request within "
-                        f"{budget:g}s (every eligible one full or ejected); add replicas or "
-                        "wait longer"
-                    )
-                await self._block(core.wake_key(ticket), left)
+    async def _admit(self, op: Admission) -> list[Grant]:
+        """Drive :func:`~redis_router.core.admit`: run each step, throw its error back in
+        (a cancel included: a wait in the queue is left, then the cancel goes on)."""
+        with Steps(op) as steps:
+            for step in steps:
                 try:
-                    grants = await self._acquire(request_ids, tokens, fields, ticket=ticket)
-                except ReplicaEjected:
-                    raise  # its replica was ejected meanwhile: it leaves the queue
-                except NoCapacity:
-                    continue
-                served = True
-                return grants
-        finally:
-            if not served:
-                with contextlib.suppress(RedisUnavailable):
-                    await asyncio.shield(self._run(core.leave(ticket)))
+                    steps.reply = await self._step(step)
+                except BaseException as exc:
+                    steps.error = exc
+            return steps.result
 
-    async def _reclaim_for_place(self) -> bool:
-        """See RedisLoadBalancer._reclaim_for_place."""
-        core = self._core
-        reclaimed, limbo, listen = await self._run(core.reap_all(RECLAIM_CALLS))
-        waited = limbo > 0  # another process (or its own keeper) may reap meanwhile
-        until = time.monotonic() + core.lease_ttl
-        while reclaimed == 0 and limbo > 0 and time.monotonic() < until:
-            await asyncio.sleep(probation_wait(limbo, listen))
-            reclaimed, limbo, listen = await self._run(core.reap_all(RECLAIM_CALLS))
-        return reclaimed > 0 or waited
+    async def _step(self, step: Step) -> Any:
+        if isinstance(step, Attempt):
+            return await self._acquire(*step[:3], ticket=step.ticket)
+        if isinstance(step, Pause):
+            await asyncio.sleep(step.seconds)
+        elif isinstance(step, Block):
+            await self._block(step.key, step.timeout)
+        else:
+            return await self._exec(step)
+        return None
 
     async def _block(self, key: str, timeout: float) -> None:
         """BLPOP for at most ``timeout`` s (see RedisLoadBalancer._block)."""
@@ -727,6 +683,13 @@ class AsyncRedisLoadBalancer:
         self, op: Op[list[bool]], call: Call, futures: list[asyncio.Future[bool]], reply: Any
     ) -> None:
         if isinstance(reply, BaseException):
+            if isinstance(reply, rx.TimeoutError):
+                # Redis silent for a socket timeout: failed (reconciliation ends the lease
+                # once Redis is back), not resent to wait as long again.
+                op.close()
+                _settle_all(futures, None, self._refused(reply))
+                self._settled(futures)
+                return
             # A broken connection, or an error reply: sent again the ordinary way (the
             # release's operation ids make a second copy end nothing more).
             self._later(self._release_ordinary(op, call, futures))
@@ -809,7 +772,11 @@ class AsyncRedisLoadBalancer:
         self._core.check_acquire(fields)
         per = fields_per_request(len(rids), fields)
         budget = None if wait is None else health.wait_seconds(wait)
-        grants = await self._admitted(self._acquire(rids, None, per), rids, None, per, budget)
+        started = time.monotonic()
+        try:
+            grants = await self._acquire(rids, None, per)
+        except NoCapacity as refused:  # reclaim, wait: core.admit decides
+            grants = await self._admit(admit(self._core, refused, rids, per, budget, started))
         return [(g.server_id, g.handle) for g in grants]
 
     async def acquire(
@@ -831,11 +798,13 @@ class AsyncRedisLoadBalancer:
         self, rid: str, token: str | None, fields: Mapping[str, Any], wait: float | None
     ) -> Grant:
         budget = None if wait is None else health.wait_seconds(wait)
-        first = self._acquire_one(rid, token, fields)
-        if budget == 0 or (budget is None and self._core.wait_timeout == 0):
-            return await first
-        tokens = [token] if token is not None else None
-        return (await self._admitted(_listed(first), [rid], tokens, [fields], budget))[0]
+        started = time.monotonic()
+        try:
+            return await self._acquire_one(rid, token, fields)
+        except NoCapacity as refused:  # reclaim, wait: core.admit decides
+            tokens = [token] if token is not None else None
+            op = admit(self._core, refused, [rid], [fields], budget, started, tokens)
+            return (await self._admit(op))[0]
 
     @contextlib.asynccontextmanager
     async def lease(
@@ -994,10 +963,6 @@ class AsyncRedisLoadBalancer:
 
     def __repr__(self) -> str:
         return f"AsyncRedisLoadBalancer(name={self.name!r}, redis={self.url!r})"
-
-
-async def _listed(one: Awaitable[Grant]) -> list[Grant]:
-    return [await one]
 
 
 def _with_tokens(items: list[_AcquireItem]) -> list[_Filled]:

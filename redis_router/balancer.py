@@ -25,21 +25,22 @@ from .connection import (
     stale_pools,
 )
 from .core import (
-    EJECTION_SLACK,
-    RECLAIM_CALLS,
-    WAIT_SLACK,
+    Admission,
+    Attempt,
+    Block,
     Call,
     Grant,
     Op,
+    Pause,
+    Step,
+    Steps,
     T,
+    admit,
     build_core,
     fields_per_request,
-    new_token,
-    new_tokens,
-    probation_wait,
 )
 from .engine import EngineLoad
-from .errors import NoCapacity, RedisRouterError, RedisUnavailable, ReplicaEjected
+from .errors import NoCapacity, RedisRouterError, RedisUnavailable
 from .invoke import Sender, unsent
 from .outbox import Outbox, Released
 from .policy import LeastLoaded, RoutingPolicy
@@ -110,6 +111,10 @@ class RedisLoadBalancer:
     ``policy`` places new sessions (:mod:`redis_router.policy`; default least loaded): a
     :class:`~redis_router.policy.RoutingPolicy`, its class, or its registered name, with its
     options as further keyword arguments. Every acquire path goes through it.
+
+    ``max_connections`` (default 100): the size of the connection pool of the client made
+    from the URL; a call finding every connection busy waits for one (at most
+    ``connection.POOL_WAIT`` s), then raises PoolExhausted (docs/operations.md).
     """
 
     default_policy: type[RoutingPolicy] = LeastLoaded
@@ -139,6 +144,7 @@ class RedisLoadBalancer:
         wait_timeout: float = 0.0,
         engine_scoring: EngineScoring | Mapping[str, Any] | bool | None = None,
         spread_sessions: bool = False,
+        max_connections: int | None = None,
         **policy_options: Any,
     ) -> None:
         self._core, redis = build_core(
@@ -169,7 +175,9 @@ class RedisLoadBalancer:
         checked = validation.servers_mapping(servers) if servers is not None else {}
         self._keeper: keeper.ThreadKeeper | None = None
         self._keeper_lock = threading.Lock()
-        self._client, self.url, self._owns_client = client_for(redis, asyncio=False)
+        self._client, self.url, self._owns_client = client_for(
+            redis, asyncio=False, max_connections=max_connections
+        )
         self._scripts = Sender(self._client)  # FCALL or EVALSHA, probed on the first call
         # Releases are written at once and answered later (redis_router.outbox); through a
         # Cluster or Sentinel client they wait for their reply (connection.direct_pool).
@@ -192,6 +200,8 @@ class RedisLoadBalancer:
                 if isinstance(reply, rx.ResponseError):
                     if not unsent(reply):  # the script's refusal, as the ordinary path says it
                         raise self._failure(reply)
+                elif isinstance(reply, rx.TimeoutError):  # Redis silent: not resent
+                    raise self._failure(reply)
                 elif isinstance(reply, (rx.RedisError, OSError)):  # the connection broke
                     if not resends(self._client):  # a client made without retries
                         raise self._failure(rx.ConnectionError(str(reply)))
@@ -276,82 +286,33 @@ class RedisLoadBalancer:
         fields: Sequence[Mapping[str, Any]] | None = None,
         wait: float | None = None,
     ) -> list[Grant]:
-        core = self._core
         started = time.monotonic()
-        reclaimed = False
-        while True:
-            try:
-                return self._run(core.acquire(request_ids, tokens, fields))
-            except ReplicaEjected as exc:  # a sticky session waits for its replica's return
-                budget = core.wait_timeout if wait is None else wait
-                left = started + budget - time.monotonic()
-                if left <= 0:
-                    raise
-                time.sleep(min(left, exc.seconds_left + EJECTION_SLACK))
-            except NoCapacity:
-                if not reclaimed:
-                    reclaimed = True
-                    if self._reclaim_for_place():
-                        continue
-                budget = core.wait_timeout if wait is None else wait
-                if budget <= 0:
-                    raise
-                return self._wait_for_place(request_ids, tokens, fields, budget, started + budget)
-
-    def _reclaim_for_place(self) -> bool:
-        """A refused acquire's first step: places held by dead processes are reclaimed now
-        (bounded work), and after a pause of Redis the probation of the processes unheard
-        during it is waited out (at most half the longest lease ttl in use), so a restarted
-        worker is not refused because of the leases its dead predecessor left. True if any
-        lease was reclaimed or a probation waited out (the acquire is worth retrying)."""
-        core = self._core
-        reclaimed, limbo, listen = self._run(core.reap_all(RECLAIM_CALLS))
-        waited = limbo > 0  # another process (or its own keeper) may reap meanwhile
-        # While it waits, it keeps Redis hearing it (a probation ends only once Redis has
-        # listened through it), at most lease_ttl in all.
-        until = time.monotonic() + core.lease_ttl
-        while reclaimed == 0 and limbo > 0 and time.monotonic() < until:
-            time.sleep(probation_wait(limbo, listen))
-            reclaimed, limbo, listen = self._run(core.reap_all(RECLAIM_CALLS))
-        return reclaimed > 0 or waited
-
-    def _wait_for_place(
-        self,
-        request_ids: list[str],
-        tokens: list[str] | None,
-        fields: Sequence[Mapping[str, Any]] | None,
-        budget: float,
-        deadline: float,
-    ) -> list[Grant]:
-        """Wait in the balancer's queue (FIFO across processes) until a replica takes the
-        requests: woken by a script's push to this waiter's key, which BLPOP blocks on."""
-        core = self._core
-        tokens = tokens or new_tokens(len(request_ids))
-        ticket = new_token()
-        self._run(core.enqueue(ticket, max(0.0, deadline - time.monotonic()) + WAIT_SLACK))
-        served = False
         try:
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise NoCapacity(
-                        f"balancer {core.name!r}: no replica could take the request within "
-                        f"{budget:g}s (every eligible one full or ejected); add replicas or "
-                        "wait longer"
-                    )
-                self._block(core.wake_key(ticket), left)
+            return self._run(self._core.acquire(request_ids, tokens, fields))
+        except NoCapacity as refused:  # reclaim, wait: core.admit decides
+            return self._admit(admit(self._core, refused, request_ids, fields, wait, started))
+
+    def _admit(self, op: Admission) -> list[Grant]:
+        """Drive :func:`~redis_router.core.admit`: run each step, throw its error back in."""
+        with Steps(op) as steps:
+            for step in steps:
                 try:
-                    grants = self._run(core.acquire(request_ids, tokens, fields, ticket=ticket))
-                except ReplicaEjected:
-                    raise  # its replica was ejected meanwhile: it leaves the queue
-                except NoCapacity:
-                    continue
-                served = True
-                return grants
-        finally:
-            if not served:
-                with contextlib.suppress(RedisUnavailable):
-                    self._run(core.leave(ticket))
+                    steps.reply = self._step(step)
+                except BaseException as exc:
+                    steps.error = exc
+            return steps.result
+
+    def _step(self, step: Step) -> Any:
+        if isinstance(step, Attempt):
+            core = self._core
+            return self._run(core.acquire(*step[:3], ticket=step.ticket))
+        if isinstance(step, Pause):
+            time.sleep(step.seconds)
+        elif isinstance(step, Block):
+            self._block(step.key, step.timeout)
+        else:
+            return self._exec(step)
+        return None
 
     def _block(self, key: str, timeout: float) -> None:
         """BLPOP for at most ``timeout`` s (at most BLOCK_MAX s: within the socket timeout; a

@@ -79,3 +79,15 @@ class RouterConfigError(RedisRouterError, ValueError):
     ``router_class``, a module or class that cannot be found, or a class that does not
     implement :class:`~redis_router.RequestLoadBalancer`. The message names what was wrong and
     what to fix."""
+
+
+class PoolExhausted(RedisRouterError):
+    """Every connection of the balancer's pool stayed busy for the whole wait: the process
+    makes more concurrent calls than its pool holds (or a stalled Redis keeps them busy).
+    Not a RedisUnavailable: Redis may be healthy, and retrying as in an outage only adds
+    load. The message names the pool's size and how to raise it (``max_connections``);
+    ``max_connections`` is that size."""
+
+    def __init__(self, message: str, max_connections: int = 0) -> None:
+        super().__init__(message)
+        self.max_connections = max_connections
