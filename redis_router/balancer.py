@@ -7,7 +7,7 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -271,13 +271,14 @@ class RedisLoadBalancer:
         tokens: list[str] | None = None,
         fields: Sequence[Mapping[str, Any]] | None = None,
         wait: float | None = None,
+        exclude: tuple[str, ...] = (),
     ) -> list[Grant]:
         core = self._core
         started = time.monotonic()
         reclaimed = False
         while True:
             try:
-                return self._run(core.acquire(request_ids, tokens, fields))
+                return self._run(core.acquire(request_ids, tokens, fields, exclude=exclude))
             except ReplicaEjected as exc:  # a sticky session waits for its replica's return
                 budget = core.wait_timeout if wait is None else wait
                 left = started + budget - time.monotonic()
@@ -292,7 +293,9 @@ class RedisLoadBalancer:
                 budget = core.wait_timeout if wait is None else wait
                 if budget <= 0:
                     raise
-                return self._wait_for_place(request_ids, tokens, fields, budget, started + budget)
+                return self._wait_for_place(
+                    request_ids, tokens, fields, budget, started + budget, exclude
+                )
 
     def _reclaim_for_place(self) -> bool:
         """A refused acquire's first step: places held by dead processes are reclaimed now
@@ -318,6 +321,7 @@ class RedisLoadBalancer:
         fields: Sequence[Mapping[str, Any]] | None,
         budget: float,
         deadline: float,
+        exclude: tuple[str, ...] = (),
     ) -> list[Grant]:
         """Wait in the balancer's queue (FIFO across processes) until a replica takes the
         requests: woken by a script's push to this waiter's key, which BLPOP blocks on."""
@@ -337,7 +341,9 @@ class RedisLoadBalancer:
                     )
                 self._block(core.wake_key(ticket), left)
                 try:
-                    grants = self._run(core.acquire(request_ids, tokens, fields, ticket=ticket))
+                    grants = self._run(
+                        core.acquire(request_ids, tokens, fields, ticket=ticket, exclude=exclude)
+                    )
                 except ReplicaEjected:
                     raise  # its replica was ejected meanwhile: it leaves the queue
                 except NoCapacity:
@@ -380,14 +386,24 @@ class RedisLoadBalancer:
         return self._core.policy
 
     def acquire_server(
-        self, request_id: str, *, wait: float | None = None, **fields: Any
+        self,
+        request_id: str,
+        *,
+        wait: float | None = None,
+        exclude: Collection[str] | None = None,
+        **fields: Any,
     ) -> tuple[str, Any]:
         """Route a request: its sticky replica, else where the policy places it (default: the
         least loaded). ``fields``: what the policy reads (``require_acquire_fields``).
         ``wait``: seconds to wait for a place when every eligible replica is full (default
-        the balancer's ``wait_timeout``; 0 raises NoCapacity at once). Returns (id, handle)."""
+        the balancer's ``wait_timeout``; 0 raises NoCapacity at once). ``exclude``: server
+        ids the request must not go to (a retry's failed replicas), sticky or new: a session
+        on one is placed anew and pinned where it goes; NoServersAvailable when they leave
+        none that takes new sessions (NoCapacity when one that is not excluded is full or
+        ejected). Returns (id, handle)."""
         rid = validation.request_id(request_id)
-        g = self._acquire([rid], None, [fields] if fields else None, _wait(wait))[0]
+        excl = validation.exclusion(exclude)
+        g = self._acquire([rid], None, [fields] if fields else None, _wait(wait), excl)[0]
         return g.server_id, g.handle
 
     def acquire_many(
@@ -407,16 +423,17 @@ class RedisLoadBalancer:
         *,
         token: str | None = None,
         wait: float | None = None,
+        exclude: Collection[str] | None = None,
         **fields: Any,
     ) -> Lease:
         """Route a request and return its :class:`Lease`. Passing the token of an earlier,
         failed attempt makes a retry safe: a lease already granted is returned, not doubled.
-        ``wait``: as acquire_server."""
+        ``wait``, ``exclude``: as acquire_server."""
         rid = validation.request_id(request_id)
         tokens = [validation.token(token)] if token is not None else None
-        return Lease(
-            self, self._acquire([rid], tokens, [fields] if fields else None, _wait(wait))[0]
-        )
+        excl = validation.exclusion(exclude)
+        per = [fields] if fields else None
+        return Lease(self, self._acquire([rid], tokens, per, _wait(wait), excl)[0])
 
     @contextmanager
     def lease(
@@ -425,6 +442,7 @@ class RedisLoadBalancer:
         *,
         renew_every: float | None = None,
         wait: float | None = None,
+        exclude: Collection[str] | None = None,
         **fields: Any,
     ) -> Iterator[Lease]:
         """``with lb.lease(rid) as lease:`` routes, yields the lease, releases it exactly once.
@@ -435,7 +453,7 @@ class RedisLoadBalancer:
         """
         if renew_every is not None:
             validation.seconds(renew_every, "renew_every", validation.MAX_LEASE_TTL)
-        held = self.acquire(request_id, wait=wait, **fields)
+        held = self.acquire(request_id, wait=wait, exclude=exclude, **fields)
         stop = threading.Event()
         renewer = None
         if renew_every is not None:

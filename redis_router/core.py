@@ -58,6 +58,9 @@ HINT = "?"
 # Before a request id: a release by replica only, hinting the process's own lease of that
 # request (release.lua, Which).
 BY_REPLICA = "\x1f"
+# Between the server ids of an acquire's exclusion (lib/acquiring.lua; ids hold no control
+# character).
+SEP = "\x1f"
 # Sticky sessions live in time buckets of sticky_ttl / STICKY_BUCKETS: a session expires between
 # sticky_ttl and sticky_ttl * (1 + 1 / STICKY_BUCKETS) after its last turn.
 STICKY_BUCKETS = 4
@@ -458,6 +461,7 @@ class BalancerCore:
             "",  # waiting ticket: none
             self.engine,
             self.spread,
+            "",  # exclusion: none
         )
 
     # -- replies ---------------------------------------------------------------------------
@@ -484,6 +488,11 @@ class BalancerCore:
                 "(its declared capacity reached) or ejected, or earlier requests are waiting "
                 "for one; wait for a place (wait=seconds, or the balancer's wait_timeout), "
                 "retry later, or add replicas"
+            )
+        if text.startswith("NOSERVERS every replica accepting new sessions is excluded"):
+            return NoServersAvailable(
+                f"balancer {self.name!r}: every replica accepting new sessions was excluded "
+                "from this acquire (exclude=...): none is left to route the request to"
             )
         if text.startswith("NOSERVERS"):
             return NoServersAvailable(
@@ -572,16 +581,18 @@ class BalancerCore:
         *,
         args: Sequence[tuple[str, ...]] | None = None,
         ticket: str | None = None,
+        exclude: Sequence[str] = (),
     ) -> Op[list[Grant]]:
         """Route requests through the policy's script; ``fields`` (one mapping per request)
         become its per-request arguments, checked before anything is sent (``args``: those
         arguments, already made by :meth:`request_args`). ``ticket``: the waiting ticket
-        this call serves (see :meth:`enqueue`)."""
+        this call serves (see :meth:`enqueue`). ``exclude``: server ids (checked, see
+        validation.exclusion) that no request of the call may go to, sticky or new."""
         self.on_acquire()
         script, rand, policy = self._acquire, self._getrandbits, self.policy
         head = self._acquire_head
-        if ticket is not None:
-            head = (*head[:-3], ticket, *head[-2:])
+        if ticket is not None or exclude:
+            head = (*head[:11], ticket or "", head[12], head[13], SEP.join(exclude))
         n = len(request_ids)
         if fields is not None and len(fields) != n:
             raise ValueError(f"got {len(fields)} field sets for {n} request ids; give one each")

@@ -119,10 +119,30 @@ local function admit()
   -- An acquire that finds no replica for a request is refused with NOCAPACITY while some
   -- replica is full or ejected or a request waits (the caller may wait for one), or a batch
   -- needs more places than are free (`full`), else NOSERVERS; nothing of it is written.
+  -- With an exclusion (EXCL), a replica that is off counts only if it is not excluded
+  -- (waiting for an excluded one would never end in a place), and NOSERVERS says when
+  -- excluded replicas were all that took new sessions.
   function M.refused(full)
-    if full or redis.call('EXISTS', OFF, P .. 'waiters') > 0 then
+    local wait = full or redis.call('EXISTS', OFF, P .. 'waiters') > 0
+    if wait and EXCL and not full and redis.call('EXISTS', P .. 'waiters') == 0 then
+      wait = false
+      for _, id in ipairs(redis.call('ZRANGE', OFF, '0', '-1')) do
+        if not EXCL.set[id] then
+          wait = true
+          break
+        end
+      end
+    end
+    if wait then
       return redis.error_reply('NOCAPACITY every replica that could take the request is full '
         .. 'or ejected, or earlier requests are waiting for one')
+    end
+    if EXCL then
+      for _, b in ipairs(EXCL.back) do
+        if b[1] == LOAD then
+          return redis.error_reply('NOSERVERS every replica accepting new sessions is excluded')
+        end
+      end
     end
     return redis.error_reply('NOSERVERS no replica is accepting new sessions')
   end
