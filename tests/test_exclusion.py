@@ -8,16 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 from typing import Any
 
+import httpx
 import pytest
 
 from redis_router import AsyncRedisLoadBalancer, NoCapacity, NoServersAvailable
+from redis_router.http import AsyncRouterTransport, RouterTransport
 from redis_router.plugins.least_tokens import LeastTokensRouter
 
-from . import invariants
+from . import invariants, test_http_serve
+from .test_http_serve import CHAT, inflight, register, state, until
 
 ABCD = {s: None for s in "abcd"}
+# The HTTP tests' fixtures: fake replicas and fronts in subprocesses, a balancer name per test.
+procs, name = test_http_serve.procs, test_http_serve.name
 
 
 def _pool(r: Any, name: str) -> dict[str, dict[str, float]]:
@@ -215,3 +221,120 @@ def test_coalesced_asyncio_acquires_each_keep_their_own_exclusion(server, r):
     got = asyncio.run(main())
     assert all(sid not in ex for ex, sid in got)
     assert {sid for ex, sid in got if not ex} == set(ABCD)  # the others still go everywhere
+
+
+# -- HTTP retries --------------------------------------------------------------------------
+
+
+def _busy_then_kill(server: Any, procs: Any, name: str, hold: Callable[[], Any]) -> str:
+    """Four replicas, three of them busy with one request each (``hold`` takes one, from
+    least loaded: one per replica), then the idle one killed: the least loaded replica, for
+    every new request, is a dead one. Returns its id."""
+    for _ in range(3):
+        hold()
+
+    def three() -> dict[str, int] | None:
+        counts = inflight(server, name)
+        return counts if sum(counts.values()) == 3 else None
+
+    counts = until(three, "three requests in flight")
+    (idle,) = [sid for sid, n in counts.items() if n == 0]
+    procs.kill(idle)
+    return str(idle)
+
+
+@pytest.mark.slow
+def test_serve_never_retries_on_the_replica_that_just_failed(server, procs, name):
+    """Each request's first attempt meets the dead replica (the least loaded); its failure
+    ends that lease, so the dead one is tied for least loaded again when the retry acquires:
+    with exclusion the retry never goes back there, and one retry is always enough."""
+    replicas = procs.replicas(4)
+    register(server, name, replicas)
+    (front,) = procs.fronts(server.url, name, 1, "--retries", "1")
+    streams: list[Any] = []
+    client = httpx.Client(timeout=60)
+    body = {"model": "m", "messages": CHAT, "stream": True, "max_tokens": 5000}
+
+    def hold() -> None:
+        cm = client.stream(
+            "POST", f"{front}/v1/chat/completions", json=body, headers={"X-Fake-Delay": "0.05"}
+        )
+        resp = cm.__enter__()
+        assert resp.status_code == 200
+        streams.append((cm, resp.iter_lines()))
+        next(streams[-1][1])  # its first words: the lease is held, the replica busy
+
+    try:
+        dead = _busy_then_kill(server, procs, name, hold)
+        codes, where = [], []
+        for _ in range(20):
+            resp = httpx.post(
+                f"{front}/v1/chat/completions",
+                json={"model": "m", "messages": CHAT, "max_tokens": 1},
+                timeout=30,
+            )
+            codes.append(resp.status_code)
+            where.append(resp.headers.get("x-replica-id"))
+        failed = [c for c in codes if c != 200]
+        print(f"{len(failed)} of 20 requests failed: {failed}")
+        assert not failed, codes
+        assert dead not in where
+        assert state(server, name)["replicas"][dead]["failures"] == 20  # each met it first
+    finally:
+        for cm, _ in streams:
+            cm.__exit__(None, None, None)
+        client.close()
+    assert until(lambda: sum(inflight(server, name).values()) == 0, "every lease released")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
+def test_the_transports_never_retry_on_the_replica_that_just_failed(
+    server, procs, name, make_lb, flavour
+):
+    replicas = procs.replicas(4)
+    register(server, name, replicas)
+    lb = make_lb(name=name)
+    held = []
+    dead = _busy_then_kill(server, procs, name, lambda: held.append(lb.acquire(f"busy{len(held)}")))
+    post = {"model": "m", "prompt": "x", "max_tokens": 1}
+    if flavour == "sync":
+        with httpx.Client(transport=RouterTransport(lb, retries=1), timeout=30) as client:
+            got = [client.post("http://router/v1/completions", json=post) for _ in range(20)]
+    else:
+
+        async def main() -> list[httpx.Response]:
+            async with AsyncRedisLoadBalancer(redis=server.url, name=name) as alb:
+                transport = AsyncRouterTransport(alb, retries=1)
+                async with httpx.AsyncClient(transport=transport, timeout=30) as client:
+                    return [
+                        await client.post("http://router/v1/completions", json=post)
+                        for _ in range(20)
+                    ]
+
+        got = asyncio.run(main())
+    codes = [resp.status_code for resp in got]
+    print(f"{sum(c != 200 for c in codes)} of 20 requests failed")
+    assert codes == [200] * 20, [resp.text for resp in got if resp.status_code != 200]
+    assert dead not in {resp.json()["replica"] for resp in got}
+    assert state(server, name)["replicas"][dead]["failures"] == 20
+    for lease in held:
+        lease.release()
+    until(lambda: sum(inflight(server, name).values()) == 0, "every lease released")
+
+
+@pytest.mark.slow
+def test_a_transport_whose_every_replica_failed_answers_502_at_once(server, procs, name, make_lb):
+    """Two replicas, both dead, and retries to spare: the second failure leaves no replica to
+    try, so the answer is a 502 after two attempts, naming why, not a 503."""
+    replicas = procs.replicas(2)
+    register(server, name, replicas)
+    procs.kill("r0")
+    procs.kill("r1")
+    lb = make_lb(name=name)
+    with httpx.Client(transport=RouterTransport(lb, retries=5), timeout=30) as client:
+        resp = client.post("http://router/v1/completions", json={"prompt": "x"})
+    assert resp.status_code == 502, resp.text
+    message = resp.json()["error"]["message"]
+    assert "in 2 attempt(s)" in message and "no other replica takes new sessions" in message
+    assert {r["failures"] for r in state(server, name)["replicas"].values()} == {1}
