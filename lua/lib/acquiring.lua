@@ -111,45 +111,6 @@ local function groups(cur, span, width, ttl)
   return GROUPS
 end
 
--- Exclusion (ARGV[HEAD]: server ids joined by SEP; "" = none, the default, which costs one
--- comparison): replicas this call must not route to, new and sticky requests alike (a
--- caller's retry leaves out every replica that already failed the request). They are set
--- aside for the call: out of `load` and `draining`, with their counts, after admission and
--- before any pick, and put back unchanged before the script returns. Every policy's pick
--- reads those sets, so none reaches them; a sticky session on one is placed anew and pinned
--- where it goes, as on an ejected replica under ejected_sticky = 'move' (never held by
--- 'wait': the caller asked for another replica). A token already granted still returns its
--- lease, wherever it is. Nothing of theirs changes: I1 holds at every step.
-local function exclude(list)
-  local set, back = {}, {}
-  -- Engine-aware scores are made from the sets on first use (lib/scoring): made now, whole.
-  if ENGINE then scoring().level() end
-  for id in string.gmatch(list, '[^\31]+') do
-    if not set[id] then
-      set[id] = true
-      for _, zs in ipairs({ LOAD, P .. 'draining' }) do
-        local c = redis.call('ZSCORE', zs, id)
-        if c then
-          redis.call('ZREM', zs, id)
-          back[#back + 1] = { zs, c, id }
-          break
-        end
-      end
-    end
-  end
-  EXCL = { set = set, back = back }
-end
-
-local function readmit()
-  for _, b in ipairs(EXCL.back) do redis.call('ZADD', b[1], b[2], b[3]) end
-end
-
--- A refusal (or any reply) once the excluded replicas are back.
-local function readmitted(reply)
-  if EXCL then readmit() end
-  return reply
-end
-
 -- One request (the common case): the straight sequential procedure, without the batch's
 -- tables. Its arguments start at ARGV[i]; the caller has reaped and knows `now` and `cur`.
 local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
@@ -238,7 +199,7 @@ end
 -- ARGV[11] ejection settings (pinned; lib/health.lua), ARGV[12] waiting ticket ("" = none),
 -- ARGV[13] engine-aware scoring (pinned; lib/scoring.lua; "" = off), ARGV[14] spread_sessions
 -- (pinned; "1" = new sessions' ties go to the replica with the fewest pinned sessions),
--- ARGV[15] exclusion (server ids joined by SEP, "" = none: see exclude());
+-- ARGV[15] exclusion (server ids joined by SEP, "" = none: lib/admission exclude());
 -- then `stride` arguments per request starting at ARGV[HEAD + 1]: request id, lease token,
 -- random integer, group id ("" = none), then the router's own from ARGV[i + OWN].
 -- `policy` is the routing policy's Lua side, a table of functions of the ARGV index i where a
@@ -295,12 +256,15 @@ local function acquire_all(stride, policy)
     local refusal = admit().admission(now, stride)
     if refusal then return refusal end
   end
-  -- The caller's exclusion, once admission has put back what returns (see exclude()); every
-  -- return from here on puts the excluded replicas back first.
-  if ARGV[HEAD] ~= '' then exclude(ARGV[HEAD]) end
+  -- The caller's exclusion (lib/admission exclude()), once admission has put back what
+  -- returns; every return from here on puts the excluded replicas back first.
+  if ARGV[HEAD] ~= '' then
+    if ENGINE then scoring().level() end -- scores are made from the sets: made now, whole
+    admit().exclude(ARGV[HEAD])
+  end
   if #ARGV == HEAD + stride then
     local out = acquire_one(HEAD + 1, policy, now, cur, holder, width, ttl, span)
-    if EXCL then readmit() end
+    if EXCL then admit().readmit() end
     return TICKET and admit().served(out, now) or out
   end
 
@@ -354,7 +318,7 @@ local function acquire_all(stride, policy)
     for j = 1, n do
       local old = not recs[j] and sid[reqs[j]]
       local held = old and not (EXCL and EXCL.set[old]) and admit().held(old, now)
-      if held then return readmitted(held) end
+      if held then return admit().readmit(held) end
     end
   end
 
@@ -363,7 +327,7 @@ local function acquire_all(stride, policy)
   if not load_peek() then
     for j = 1, n do
       if not recs[j] and not (sid[reqs[j]] and pool(sid[reqs[j]])) then
-        return readmitted(admit().refused())
+        return admit().readmit(admit().refused())
       end
     end
   end
@@ -512,6 +476,6 @@ local function acquire_all(stride, policy)
       if d ~= 0 then redis.call('HINCRBY', P .. 'pinned', id, int(d)) end
     end
   end
-  if EXCL then readmit() end
+  if EXCL then admit().readmit() end
   return TICKET and admit().served(out, now) or out
 end

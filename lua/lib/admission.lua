@@ -221,6 +221,40 @@ local function admit()
     return nil
   end
 
+  -- Exclusion (an acquire's ARGV[HEAD]: server ids joined by SEP; "" = none, the default,
+  -- which costs the acquire one comparison): replicas the call must not route to, new and
+  -- sticky requests alike (a caller's retry leaves out every replica that already failed the
+  -- request). They are set aside for the call: out of `load` and `draining` with their counts,
+  -- after admission and before any pick (EXCL), and put back unchanged by readmit() before
+  -- the script returns. Every policy's pick reads those sets, so none reaches them; a sticky
+  -- session on one is placed anew and pinned where it goes, as on an ejected replica under
+  -- ejected_sticky = 'move' (never held by 'wait': the caller asked for another replica). A
+  -- token already granted still returns its lease, wherever it is. I1 holds at every step.
+  function M.exclude(list)
+    local set, back = {}, {}
+    for id in string.gmatch(list, '[^\31]+') do
+      if not set[id] then
+        set[id] = true
+        for _, zs in ipairs({ LOAD, P .. 'draining' }) do
+          local c = redis.call('ZSCORE', zs, id)
+          if c then
+            redis.call('ZREM', zs, id)
+            back[#back + 1] = { zs, c, id }
+            break
+          end
+        end
+      end
+    end
+    EXCL = { set = set, back = back }
+  end
+
+  -- The excluded replicas back where they were, with their counts; returns `reply` (a
+  -- refusal made while they were aside).
+  function M.readmit(reply)
+    for _, b in ipairs(EXCL and EXCL.back or {}) do redis.call('ZADD', b[1], b[2], b[3]) end
+    return reply
+  end
+
   -- The reply of a successful acquire that served the first waiter (TICKET): it leaves the
   -- queue (its wait counted in P.."waitstats") and the next one is woken if a replica takes
   -- new sessions.
