@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -158,6 +159,34 @@ def test_every_replica_excluded_is_no_servers_available_and_changes_nothing(make
             lb.acquire("new", exclude=["b", "c"], wait=0)
     lease.release()
     assert lb.acquire("new", exclude=["b", "c"], wait=0).server_id == "a"
+
+
+def test_an_acquire_that_waits_for_a_place_keeps_its_exclusion(make_lb, server):
+    """Refused for capacity, an acquire waits in the queue and tries again: every try keeps
+    the exclusion, so a free but excluded replica never serves it; the excluded one's place
+    does once its lease ends."""
+    caps = {"a": {"capacity": 1}, "b": {"capacity": 1}}
+    lb = make_lb(caps)
+    busy = lb.acquire("busy", exclude=["b"])
+    assert busy.server_id == "a"
+    timer = threading.Timer(0.3, busy.release)
+    timer.start()
+    try:
+        waited = lb.acquire("next", exclude=["b"], wait=10)
+    finally:
+        timer.join()
+    assert waited.server_id == "a"
+    waited.release()
+
+    async def main() -> str:
+        async with AsyncRedisLoadBalancer(redis=server.url, name=lb.name) as alb:
+            held = await alb.acquire("busy2", exclude=["b"])
+            asyncio.get_running_loop().call_later(0.3, held.release)
+            got = await alb.acquire("next2", exclude={"b"}, wait=10)
+            got.release()
+            return got.server_id
+
+    assert asyncio.run(main()) == "a"
 
 
 @pytest.mark.parametrize(
