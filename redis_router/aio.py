@@ -14,7 +14,15 @@ import logging
 import random
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Generator,
+    Mapping,
+    Sequence,
+)
 from typing import Any
 
 from redis import exceptions as rx
@@ -413,6 +421,7 @@ class AsyncRedisLoadBalancer:
         *,
         args: Sequence[tuple[str, ...]] | None = None,
         ticket: str | None = None,
+        exclude: tuple[str, ...] = (),
     ) -> list[Grant]:
         """Every acquire script call goes through here. It runs in a task of its own, shielded:
         cancelling the caller (``asyncio.wait_for`` while Redis is slow) leaves the call to
@@ -420,7 +429,9 @@ class AsyncRedisLoadBalancer:
         counted. (Cancelled mid-reply, redis-py would drop the connection while the script
         may still run, and a release sent meanwhile on another connection could arrive first.)"""
         tokens = tokens or new_tokens(len(request_ids))
-        op = self._core.acquire(request_ids, tokens, fields, args=args, ticket=ticket)
+        op = self._core.acquire(
+            request_ids, tokens, fields, args=args, ticket=ticket, exclude=exclude
+        )
         call = asyncio.ensure_future(self._run(op))
         try:
             return await asyncio.shield(call)
@@ -457,7 +468,7 @@ class AsyncRedisLoadBalancer:
 
     async def _step(self, step: Step) -> Any:
         if isinstance(step, Attempt):
-            return await self._acquire(*step[:3], ticket=step.ticket)
+            return await self._acquire(*step[:3], ticket=step.ticket, exclude=step.exclude)
         if isinstance(step, Pause):
             await asyncio.sleep(step.seconds)
         elif isinstance(step, Block):
@@ -478,12 +489,17 @@ class AsyncRedisLoadBalancer:
     # -- coalesced acquires and releases ---------------------------------------------------
 
     async def _acquire_one(
-        self, request_id: str, token: str | None, fields: Mapping[str, Any]
+        self,
+        request_id: str,
+        token: str | None,
+        fields: Mapping[str, Any],
+        exclude: tuple[str, ...] = (),
     ) -> Grant:
         self._bind()
-        if self._acquires is None:
+        if self._acquires is None or exclude:  # an exclusion is the call's: sent by itself
             tokens = [token] if token is not None else None
-            return (await self._acquire([request_id], tokens, [fields] if fields else None))[0]
+            per = [fields] if fields else None
+            return (await self._acquire([request_id], tokens, per, exclude=exclude))[0]
         # The policy's arguments are made (and checked) here: bad fields fail their own
         # caller, never the batch it would have joined.
         args = self._core.request_args(request_id, fields)
@@ -757,11 +773,17 @@ class AsyncRedisLoadBalancer:
         return self._core.policy
 
     async def acquire_server(
-        self, request_id: str, *, wait: float | None = None, **fields: Any
+        self,
+        request_id: str,
+        *,
+        wait: float | None = None,
+        exclude: Collection[str] | None = None,
+        **fields: Any,
     ) -> tuple[str, Any]:
         """Route a request (see RedisLoadBalancer.acquire_server). Returns (id, handle)."""
         self._core.check_acquire(fields)
-        g = await self._acquire_waiting(validation.request_id(request_id), None, fields, wait)
+        rid, excl = validation.request_id(request_id), validation.exclusion(exclude)
+        g = await self._acquire_waiting(rid, None, fields, wait, excl)
         return g.server_id, g.handle
 
     async def acquire_many(
@@ -785,25 +807,32 @@ class AsyncRedisLoadBalancer:
         *,
         token: str | None = None,
         wait: float | None = None,
+        exclude: Collection[str] | None = None,
         **fields: Any,
     ) -> AsyncLease:
-        """Route a request and return its lease (``token``, ``wait``: see
+        """Route a request and return its lease (``token``, ``wait``, ``exclude``: see
         RedisLoadBalancer.acquire)."""
         rid = validation.request_id(request_id)
         checked = validation.token(token) if token is not None else None
         self._core.check_acquire(fields)
-        return AsyncLease(self, await self._acquire_waiting(rid, checked, fields, wait))
+        excl = validation.exclusion(exclude)
+        return AsyncLease(self, await self._acquire_waiting(rid, checked, fields, wait, excl))
 
     async def _acquire_waiting(
-        self, rid: str, token: str | None, fields: Mapping[str, Any], wait: float | None
+        self,
+        rid: str,
+        token: str | None,
+        fields: Mapping[str, Any],
+        wait: float | None,
+        exclude: tuple[str, ...] = (),
     ) -> Grant:
         budget = None if wait is None else health.wait_seconds(wait)
         started = time.monotonic()
         try:
-            return await self._acquire_one(rid, token, fields)
+            return await self._acquire_one(rid, token, fields, exclude)
         except NoCapacity as refused:  # reclaim, wait: core.admit decides
             tokens = [token] if token is not None else None
-            op = admit(self._core, refused, [rid], [fields], budget, started, tokens)
+            op = admit(self._core, refused, [rid], [fields], budget, started, tokens, exclude)
             return (await self._admit(op))[0]
 
     @contextlib.asynccontextmanager
@@ -813,13 +842,16 @@ class AsyncRedisLoadBalancer:
         *,
         renew_every: float | None = None,
         wait: float | None = None,
+        exclude: Collection[str] | None = None,
         **fields: Any,
     ) -> AsyncIterator[AsyncLease]:
         """``async with lb.lease(rid) as lease:`` releases exactly once, also on cancellation
         (a lease granted while the task was being cancelled is released, not leaked)."""
         if renew_every is not None:
             validation.seconds(renew_every, "renew_every", validation.MAX_LEASE_TTL)
-        pending = asyncio.ensure_future(self.acquire(request_id, wait=wait, **fields))
+        pending = asyncio.ensure_future(
+            self.acquire(request_id, wait=wait, exclude=exclude, **fields)
+        )
         try:
             held = await asyncio.shield(pending)
         except asyncio.CancelledError:

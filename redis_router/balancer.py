@@ -7,7 +7,7 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -285,12 +285,15 @@ class RedisLoadBalancer:
         tokens: list[str] | None = None,
         fields: Sequence[Mapping[str, Any]] | None = None,
         wait: float | None = None,
+        exclude: tuple[str, ...] = (),
     ) -> list[Grant]:
         started = time.monotonic()
+        core = self._core
         try:
-            return self._run(self._core.acquire(request_ids, tokens, fields))
+            return self._run(core.acquire(request_ids, tokens, fields, exclude=exclude))
         except NoCapacity as refused:  # reclaim, wait: core.admit decides
-            return self._admit(admit(self._core, refused, request_ids, fields, wait, started))
+            op = admit(core, refused, request_ids, fields, wait, started, tokens, exclude)
+            return self._admit(op)
 
     def _admit(self, op: Admission) -> list[Grant]:
         """Drive :func:`~redis_router.core.admit`: run each step, throw its error back in."""
@@ -305,7 +308,7 @@ class RedisLoadBalancer:
     def _step(self, step: Step) -> Any:
         if isinstance(step, Attempt):
             core = self._core
-            return self._run(core.acquire(*step[:3], ticket=step.ticket))
+            return self._run(core.acquire(*step[:3], ticket=step.ticket, exclude=step.exclude))
         if isinstance(step, Pause):
             time.sleep(step.seconds)
         elif isinstance(step, Block):
@@ -348,15 +351,25 @@ class RedisLoadBalancer:
         return self._core.policy
 
     def acquire_server(
-        self, request_id: str, *, wait: float | None = None, **fields: Any
+        self,
+        request_id: str,
+        *,
+        wait: float | None = None,
+        exclude: Collection[str] | None = None,
+        **fields: Any,
     ) -> tuple[str, Any]:
         """Route a request: its sticky replica, else where the policy places it (default: the
         least loaded). ``fields``: what the policy reads (``require_acquire_fields``).
         ``wait``: seconds to wait for a place when every eligible replica is full (default
-        the balancer's ``wait_timeout``; 0 raises NoCapacity at once). Returns (id, handle)."""
+        the balancer's ``wait_timeout``; 0 raises NoCapacity at once). ``exclude``: server
+        ids the request must not go to (a retry's failed replicas), sticky or new: a session
+        on one is placed anew and pinned where it goes; NoServersAvailable when they leave
+        none that takes new sessions (NoCapacity when one that is not excluded is full or
+        ejected). Returns (id, handle)."""
         rid = validation.request_id(request_id)
         self._core.check_acquire(fields)
-        g = self._acquire([rid], None, [fields] if fields else None, _wait(wait))[0]
+        excl = validation.exclusion(exclude)
+        g = self._acquire([rid], None, [fields] if fields else None, _wait(wait), excl)[0]
         return g.server_id, g.handle
 
     def acquire_many(
@@ -377,17 +390,18 @@ class RedisLoadBalancer:
         *,
         token: str | None = None,
         wait: float | None = None,
+        exclude: Collection[str] | None = None,
         **fields: Any,
     ) -> Lease:
         """Route a request and return its :class:`Lease`. Passing the token of an earlier,
         failed attempt makes a retry safe: a lease already granted is returned, not doubled.
-        ``wait``: as acquire_server."""
+        ``wait``, ``exclude``: as acquire_server."""
         rid = validation.request_id(request_id)
         tokens = [validation.token(token)] if token is not None else None
         self._core.check_acquire(fields)
-        return Lease(
-            self, self._acquire([rid], tokens, [fields] if fields else None, _wait(wait))[0]
-        )
+        excl = validation.exclusion(exclude)
+        per = [fields] if fields else None
+        return Lease(self, self._acquire([rid], tokens, per, _wait(wait), excl)[0])
 
     @contextmanager
     def lease(
@@ -396,6 +410,7 @@ class RedisLoadBalancer:
         *,
         renew_every: float | None = None,
         wait: float | None = None,
+        exclude: Collection[str] | None = None,
         **fields: Any,
     ) -> Iterator[Lease]:
         """``with lb.lease(rid) as lease:`` routes, yields the lease, releases it exactly once.
@@ -406,7 +421,7 @@ class RedisLoadBalancer:
         """
         if renew_every is not None:
             validation.seconds(renew_every, "renew_every", validation.MAX_LEASE_TTL)
-        held = self.acquire(request_id, wait=wait, **fields)
+        held = self.acquire(request_id, wait=wait, exclude=exclude, **fields)
         stop = threading.Event()
         renewer = None
         if renew_every is not None:

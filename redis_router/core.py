@@ -66,6 +66,9 @@ HINT = "?"
 # Before a request id: a release by replica only, hinting the process's own lease of that
 # request (release.lua, Which).
 BY_REPLICA = "\x1f"
+# Between the server ids of an acquire's exclusion (lib/acquiring.lua; ids hold no control
+# character).
+SEP = "\x1f"
 # Sticky sessions live in time buckets of sticky_ttl / STICKY_BUCKETS: a session expires between
 # sticky_ttl and sticky_ttl * (1 + 1 / STICKY_BUCKETS) after its last turn.
 STICKY_BUCKETS = 4
@@ -492,6 +495,7 @@ class BalancerCore:
             "",  # waiting ticket: none
             self.engine,
             self.spread,
+            "",  # exclusion: none
         )
 
     # -- replies ---------------------------------------------------------------------------
@@ -518,6 +522,11 @@ class BalancerCore:
                 "(its declared capacity reached) or ejected, or earlier requests are waiting "
                 "for one; wait for a place (wait=seconds, or the balancer's wait_timeout), "
                 "retry later, or add replicas"
+            )
+        if text.startswith("NOSERVERS every replica accepting new sessions is excluded"):
+            return NoServersAvailable(
+                f"balancer {self.name!r}: every replica accepting new sessions was excluded "
+                "from this acquire (exclude=...): none is left to route the request to"
             )
         if text.startswith("NOSERVERS"):
             return NoServersAvailable(
@@ -606,16 +615,18 @@ class BalancerCore:
         *,
         args: Sequence[tuple[str, ...]] | None = None,
         ticket: str | None = None,
+        exclude: Sequence[str] = (),
     ) -> Op[list[Grant]]:
         """Route requests through the policy's script; ``fields`` (one mapping per request)
         become its per-request arguments, checked before anything is sent (``args``: those
         arguments, already made by :meth:`request_args`). ``ticket``: the waiting ticket
-        this call serves (see :meth:`enqueue`)."""
+        this call serves (see :meth:`enqueue`). ``exclude``: server ids (checked, see
+        validation.exclusion) that no request of the call may go to, sticky or new."""
         self.on_acquire()
         script, rand, policy = self._acquire, self._getrandbits, self.policy
         head = self._acquire_head
-        if ticket is not None:
-            head = (*head[:-3], ticket, *head[-2:])
+        if ticket is not None or exclude:
+            head = (*head[:11], ticket or "", head[12], head[13], SEP.join(exclude))
         n = len(request_ids)
         if fields is not None and len(fields) != n:
             raise ValueError(f"got {len(fields)} field sets for {n} request ids; give one each")
@@ -1131,6 +1142,7 @@ class Attempt(NamedTuple):
     tokens: list[str]
     fields: Sequence[Mapping[str, Any]] | None
     ticket: str | None = None
+    exclude: tuple[str, ...] = ()  # server ids the request must not go to
 
 
 class Pause(NamedTuple):
@@ -1188,6 +1200,7 @@ def admit(
     wait: float | None,
     started: float,
     tokens: list[str] | None = None,
+    exclude: tuple[str, ...] = (),
 ) -> Admission:
     """What follows an acquire refused with ``refused`` (NoCapacity or ReplicaEjected), made
     at ``started`` (monotonic s), for the sync and asyncio balancers alike. A sticky session
@@ -1211,10 +1224,12 @@ def admit(
                 if budget <= 0:
                     raise exc
                 return (
-                    yield from _wait_for_place(core, request_ids, tokens, fields, budget, deadline)
+                    yield from _wait_for_place(
+                        core, request_ids, tokens, fields, budget, deadline, exclude
+                    )
                 )
         try:
-            grants: list[Grant] = yield Attempt(request_ids, tokens, fields)
+            grants: list[Grant] = yield Attempt(request_ids, tokens, fields, None, exclude)
             return grants
         except NoCapacity as again:
             exc = again
@@ -1243,6 +1258,7 @@ def _wait_for_place(
     fields: Sequence[Mapping[str, Any]] | None,
     budget: float,
     deadline: float,
+    exclude: tuple[str, ...] = (),
 ) -> Admission:
     """Wait in the balancer's queue (FIFO across processes) until a replica takes the
     requests: woken by a script's push to this waiter's key. Left (its ticket removed)
@@ -1260,7 +1276,7 @@ def _wait_for_place(
                 )
             yield Block(core.wake_key(ticket), left)
             try:
-                grants: list[Grant] = yield Attempt(request_ids, tokens, fields, ticket)
+                grants: list[Grant] = yield Attempt(request_ids, tokens, fields, ticket, exclude)
                 return grants
             except ReplicaEjected:
                 raise  # its replica was ejected meanwhile: it leaves the queue

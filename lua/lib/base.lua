@@ -19,11 +19,16 @@ local LOAD = P .. 'load' -- per call
 -- affinity ratio ("" = off), group cap (members, "" = none), group_by (pinned only),
 -- ejection settings (pinned, lib/health.lua; "" = off; ends in ' wait' for ejected_sticky =
 -- 'wait'), waiting ticket ("" = none), engine-aware scoring (pinned, lib/scoring.lua),
--- spread_sessions (pinned, lib/picking.lua; "1" = on, "" = off).
+-- spread_sessions (pinned, lib/picking.lua; "1" = on, "" = off), exclusion (server ids
+-- joined by SEP, "" = none: lib/acquiring.lua).
 -- Requests start at ARGV[HEAD + 1]; each has OWN core arguments (request id, lease token,
 -- random integer, group id or "") before a policy's own, which start at ARGV[i + OWN].
-local HEAD = 14
+local HEAD = 15
 local OWN = 4
+-- The replicas an acquire was told to leave out (ARGV[HEAD]), set aside for the call by
+-- lib/acquiring.lua: { set = id -> true, back = { {sorted set, count, id}, ... } }; nil (no
+-- exclusion, the default) costs the acquire nothing but one comparison.
+local EXCL = nil -- per call
 -- Hot path: a redis.call costs ~0.2 us, and turning a number into a string ~0.3 us (Lua's
 -- tostring and the server's "%.17g" both go through printf for doubles), against ~0.03 us
 -- for int() below. So the acquire and release paths pass integers through int(), constants
