@@ -253,6 +253,19 @@ async def bad_input(d: Driver) -> None:
     await d.step("release fields", "require_release_fields")
 
 
+@scenario()
+async def exclusions(d: Driver) -> None:
+    await d.step("add", "add_servers", {f"r{i}": None for i in range(4)})
+    for i in range(6):
+        await d.step(f"excluding r0 {i}", "acquire_server", f"x{i}", exclude={"r0"})
+    await d.step("sticky excluded", "acquire_server", "x0", exclude=["r0", "r1", "r2"])
+    await d.step("sticky excluded, lease", "acquire", "x1", exclude=("r3",))
+    await d.lease_block("lease excluding", "x2", exclude={"r1"})
+    await d.step("all excluded", "acquire_server", "x9", exclude={"r0", "r1", "r2", "r3"})
+    await d.step("bad exclusion", "acquire_server", "x9", exclude="r0")
+    await d.step("total", "get_total_inflight")
+
+
 @scenario("close")
 async def after_close(d: Driver) -> None:
     await d.step("add", "add_servers", {"a": None, "b": None})
