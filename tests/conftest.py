@@ -78,6 +78,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+    config.stash[_LEFT_TO_OTHER_TIER] = len(drop)
+
+
+_LEFT_TO_OTHER_TIER = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """Say where the deselected tests went, so a test named by -k or a node id and left out
+    by the tier is not a mystery."""
+    left = config.stash.get(_LEFT_TO_OTHER_TIER, 0)
+    if left:
+        other = "--tier exhaustive" if config.getoption("tier") == "quick" else "the quick tier"
+        terminalreporter.write_line(
+            f"redis-router: {left} tests belong to {other} (--tier all runs every test)"
+        )
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
