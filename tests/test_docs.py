@@ -269,12 +269,14 @@ def _install_targets(args: str) -> list[str]:
 
 def test_every_install_line_installs_from_a_checkout_or_a_built_wheel():
     """This project is not on the package index: an install line naming it by name fails on a
-    fresh machine. Each must install a local path (`-e .`, a checkout) or the wheel that
-    `python -m build --wheel` writes (its version the project's)."""
+    fresh machine. Each, in the docs, CI and the library's messages, must install a local path
+    (`-e .`, a checkout), the wheel that `python -m build --wheel` writes (its version the
+    project's), or the published packages an extra stands for."""
     version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)
     assert version
     wheel = f"dist/llm_redis_router-{version[1]}-py3-none-any.whl"
     pages = [ROOT / "README.md", ROOT / ".ci" / "run", *sorted((ROOT / "docs").glob("*.md"))]
+    pages += sorted((ROOT / "redis_router").rglob("*.py")) + sorted(ROOT.glob("benchmarks/*.py"))
     offenders, wheels = [], 0
     for page in pages:
         for m in PIP_INSTALL.finditer(page.read_text()):
