@@ -261,7 +261,9 @@ def test_coalesced_asyncio_calls_equal_sequential_ones_in_the_model(
     stats = run_machine(AsyncMachine, fuzz_server.url, operations, examples=examples)
     took = time.monotonic() - t0
     print(f"\nasync fuzz on {fuzz_server.binary.label}: {stats.line()}, {took:.1f}s")
-    assert stats.operations >= operations and stats.batches
+    assert stats.operations >= operations
+    # The full run always draws coalesced gathers; a short one (two sequences) may draw none.
+    assert stats.batches or examples <= 2
 
 
 async def _awaited(post: Any, *args: Any) -> Any:
