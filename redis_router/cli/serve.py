@@ -122,6 +122,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="seconds a whole upstream request may take (default: no limit)",
     )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a client may take to send a request's headers, from its first byte; "
+        "then its connection is closed (10)",
+    )
+    parser.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=75.0,
+        help="seconds a client connection may wait idle between requests (75)",
+    )
+    parser.add_argument(
+        "--max-idle-connections",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="client connections that may wait idle at once per serving process; past that "
+        "the oldest idle one is closed (1024)",
+    )
 
 
 def balancer_options(args: argparse.Namespace) -> tuple[str, str, Any, dict[str, Any]]:
@@ -199,6 +220,9 @@ def _run(args: argparse.Namespace) -> int:
         session=SessionRule(args.session_header, args.session_field),
         connect_timeout=args.connect_timeout,
         upstream_timeout=args.upstream_timeout,
+        header_timeout=args.header_timeout,
+        keepalive_timeout=args.keepalive_timeout,
+        max_idle_connections=args.max_idle_connections,
         admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
     )
     url, name, policy, config = balancer_options(args)

@@ -5,7 +5,8 @@ not) with words that name it, so one can see where each request went.
     python -m redis_router.http.fake_replica --id r0 --port 8001 [--delay 0.05]
 
 It generates ``max_tokens`` words (default 4), one every ``--delay`` seconds (a request's
-``X-Fake-Delay`` header overrides it); ``X-Fake-Status: 503`` makes it answer that status.
+``X-Fake-Delay`` header overrides it); ``X-Fake-Status: 503`` makes it answer that status;
+``--auth USER:PASSWORD`` makes it answer 401 to a request without that Basic authorization.
 ``GET /stats`` says what it served: requests by path, in flight now, the most in flight at
 once, streams the client broke off, the request ids it was asked to abort, and the
 data-parallel rank each generation request named (vLLM's header, SGLang's body field).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import json
 import time
@@ -28,8 +30,9 @@ from ..dp import SGLANG_FIELD, VLLM_HEADER
 
 
 class FakeReplica:
-    def __init__(self, replica_id: str, delay: float, model: str) -> None:
+    def __init__(self, replica_id: str, delay: float, model: str, auth: str | None = None) -> None:
         self.id, self.delay, self.model = replica_id, delay, model
+        self.auth = None if auth is None else "Basic " + base64.b64encode(auth.encode()).decode()
         self.served: dict[str, int] = {}
         self.inflight = self.peak = self.broken_off = 0
         self.aborted: list[str] = []
@@ -51,6 +54,8 @@ class FakeReplica:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if self.auth is not None and request.headers.get("Authorization") != self.auth:
+            return web.json_response({"error": {"message": "unauthorized"}}, status=401)
         forced = request.headers.get("X-Fake-Status")
         if forced:
             return web.json_response({"error": {"message": "forced"}}, status=int(forced))
@@ -172,9 +177,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=0, help="0 picks a free one (printed)")
     p.add_argument("--delay", type=float, default=0.0, help="seconds per generated word")
     p.add_argument("--model", default="fake-model", help="the model name it serves")
+    p.add_argument("--auth", metavar="USER:PASSWORD", help="Basic authorization it requires")
     args = p.parse_args(argv)
+    replica = FakeReplica(args.id, args.delay, args.model, args.auth)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(FakeReplica(args.id, args.delay, args.model), args.host, args.port))
+        asyncio.run(serve(replica, args.host, args.port))
 
 
 if __name__ == "__main__":

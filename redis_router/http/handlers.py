@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
 from .. import dp
 from ..aio import AsyncRedisLoadBalancer
+from ..connection import hide_userinfo, redact, scrub
 from ..errors import NoCapacity, NoServersAvailable, RedisUnavailable, ReplicaEjected
 from .routing import (
     GENERATION_PATHS,
@@ -46,6 +47,11 @@ HOP_HEADERS = frozenset(
 )
 REPLICA_HEADER = "X-Replica-ID"
 MAX_BODY = 64 * 1024 * 1024
+# Client connections (see ServeOptions): as gateways bound theirs (haproxy's http-request
+# timeout, Go's ReadHeaderTimeout; nginx keeps idle clients 75 s, aiohttp's default too).
+HEADER_TIMEOUT = 10.0
+KEEPALIVE_TIMEOUT = 75.0
+MAX_IDLE_CONNECTIONS = 1024
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,11 @@ class ServeOptions:
     upstream_timeout: float | None = None  # None: a generation may take as long as it takes
     models_timeout: float = 2.0
     max_body: int = MAX_BODY
+    # Client connections: seconds from a request's first byte to the end of its headers,
+    # seconds a kept-alive connection may wait idle, and how many may wait idle at once.
+    header_timeout: float = HEADER_TIMEOUT
+    keepalive_timeout: float = KEEPALIVE_TIMEOUT
+    max_idle_connections: int = MAX_IDLE_CONNECTIONS
     # When set, POST and DELETE /workers need "Authorization: Bearer <token>".
     admin_token: str | None = field(default=None, repr=False)
 
@@ -67,11 +78,14 @@ class ServeOptions:
             raise TypeError(f"retries must be an int, got {type(self.retries).__name__}")
         if not 0 <= self.retries <= 10:
             raise ValueError(f"retries must be in [0, 10], got {self.retries}")
-        for name in ("connect_timeout", "models_timeout"):
+        for name in ("connect_timeout", "models_timeout", "header_timeout", "keepalive_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
         if self.upstream_timeout is not None and not self.upstream_timeout > 0:
             raise ValueError("upstream_timeout must be > 0 seconds or None")
+        n = self.max_idle_connections
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"max_idle_connections must be an int >= 1, got {n!r}")
 
 
 class Handlers:
@@ -173,7 +187,9 @@ class Handlers:
             return self.error(path, 502, f"replica {owner!r} has no url", "upstream_error")
         try:
             async with self.client.post(
-                url + "/abort_request", data=raw, headers=forward_headers(request.headers)
+                url + "/abort_request",
+                data=raw,
+                headers=to_replica(forward_headers(request.headers), url),
             ) as resp:
                 answer = await resp.read()
                 headers = pass_headers(resp.headers)
@@ -182,7 +198,7 @@ class Handlers:
                 return web.Response(status=resp.status, body=answer, headers=headers)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             return self.error(
-                path, 502, f"replica {owner!r}: {describe_error(exc)}", "upstream_error"
+                path, 502, f"replica {owner!r}: {describe_error(exc, url)}", "upstream_error"
             )
 
     async def _url_of(self, server_id: str) -> str | None:
@@ -198,7 +214,7 @@ class Handlers:
         rows = [
             {
                 "id": sid,
-                "url": replica_url(r["metadata"]),
+                "url": shown_url(replica_url(r["metadata"])),
                 "inflight": r["inflight"],
                 "draining": r["draining"],
                 "capacity": r.get("capacity"),
@@ -216,10 +232,10 @@ class Handlers:
             return self._refused(path)
         try:
             body = parse_json(await request.read())
-            sid, url, capacity = _worker(body)
+            sid, url, capacity, dp_size = _worker(body)
             meta: dict[str, Any] = {"url": url}
-            if body.get("dp_size") is not None:  # one pool member per rank (redis_router.dp)
-                meta["dp_size"] = body["dp_size"]
+            if dp_size is not None:  # one pool member per rank (redis_router.dp)
+                meta[dp.DP_SIZE] = dp_size
             caps = None if capacity is None else {sid: capacity}
             added = await self.balancer.add_servers({sid: meta}, capacity=caps)
         except BadRequest as exc:
@@ -230,7 +246,13 @@ class Handlers:
             return self._unavailable(path, exc)
         self._count(path, 200)
         return web.json_response(
-            {"id": sid, "url": url, "capacity": capacity, "added": bool(added)}
+            {
+                "id": sid,
+                "url": redact(url),
+                "capacity": capacity,
+                "dp_size": dp_size,
+                "added": bool(added),
+            }
         )
 
     async def remove_worker(self, request: web.Request) -> web.Response:
@@ -270,6 +292,20 @@ class Handlers:
         )
 
     async def not_found(self, request: web.Request) -> web.Response:
+        """404, or 405 with ``Allow`` for a path served under other methods."""
+        allowed: set[str] = set()
+        for resource in request.app.router.resources():
+            if resource is not request.match_info.route.resource:  # not this catch-all
+                allowed |= (await resource.resolve(request))[1]
+        if allowed:
+            return self.error(
+                request.path,
+                405,
+                f"{request.method} is not allowed on {request.path}; allowed: "
+                f"{', '.join(sorted(allowed))}",
+                "method_not_allowed_error",
+                headers={"Allow": ", ".join(sorted(allowed))},
+            )
         return self.error(
             request.path, 404, f"no route {request.method} {request.path}", "not_found_error"
         )
@@ -314,13 +350,36 @@ def forward_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
     return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in HOP_HEADERS])
 
 
+def to_replica(headers: CIMultiDict[str], url: str) -> CIMultiDict[str]:
+    """Forwarded headers (:func:`forward_headers`) for the replica at ``url``: without the
+    client's ``Authorization`` when the URL carries the replica's own credentials, which go
+    as its Authorization header instead."""
+    if not has_userinfo(url):
+        return headers
+    out = headers.copy()
+    out.popall(hdrs.AUTHORIZATION, None)
+    return out
+
+
+def has_userinfo(url: str) -> bool:
+    """The URL names credentials (``http://user:password@host``)."""
+    return "@" in url.partition("://")[2].partition("/")[0]
+
+
+def shown_url(url: str | None) -> str | None:
+    """A replica's URL as any answer shows it: without its credentials."""
+    return None if url is None else redact(url)
+
+
 def pass_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
     """The replica's response headers for the client, without hop-by-hop ones."""
     return forward_headers(headers)
 
 
-def describe_error(exc: BaseException) -> str:
-    text = str(exc)
+def describe_error(exc: BaseException, url: str | None = None) -> str:
+    """An upstream error for an answer: its type and message, with the credentials of the
+    replica's ``url`` (and of any URL it quotes) hidden."""
+    text = hide_userinfo(str(exc) if url is None else scrub(str(exc), url))
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
@@ -337,15 +396,27 @@ def _prom_type() -> str:
     return CONTENT_TYPE
 
 
-def _worker(body: Mapping[str, Any]) -> tuple[str, str, int | None]:
-    unknown = sorted(set(body) - {"id", "url", "capacity"})
+def _worker(body: Mapping[str, Any]) -> tuple[str, str, int | None, int | None]:
+    """(id, url, capacity, dp_size) of a POST /workers body, checked."""
+    unknown = sorted(set(body) - {"id", "url", "capacity", dp.DP_SIZE})
     if unknown:
-        raise BadRequest(f"unknown key(s) {unknown}; a worker is {{'id', 'url', 'capacity'?}}")
+        raise BadRequest(
+            f"unknown key(s) {unknown}; a worker is {{'id', 'url', 'capacity'?, 'dp_size'?}}"
+        )
     sid, url, capacity = body.get("id"), body.get("url"), body.get("capacity")
     if not isinstance(sid, str) or not sid:
         raise BadRequest("'id' must be a non-empty string (the replica id)", "id")
+    if dp.replica_of(sid)[1] is not None:
+        raise BadRequest(
+            f"'id' must not end like a data-parallel rank's (#dp<k>, reserved), got {sid!r}",
+            "id",
+        )
     if not isinstance(url, str) or replica_url(url) is None:
         raise BadRequest("'url' must be an http:// or https:// URL (the replica's root)", "url")
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)):
         raise BadRequest("'capacity' must be an integer or null", "capacity")
-    return sid, url.rstrip("/"), capacity
+    try:  # the library's own check of a replica's metadata
+        dp_size = dp.dp_size(body, sid)
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(str(exc), dp.DP_SIZE) from None
+    return sid, url.rstrip("/"), capacity, dp_size

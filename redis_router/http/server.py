@@ -4,7 +4,8 @@ request to the replica the shared balancer grants.
 Stateless: everything that routes (leases, sticky sessions, ejections, waiters, the prefix
 index) is the balancer's, in Redis, so any number of these behind any L4 balancer route as
 one. A request costs one acquire, one upstream request and one release; the release is sent
-after the response's last byte, in the background, and at once when the client goes away.
+after the response's last byte, in the background, and at once when the client goes away,
+whenever it does (its acquire waiting or in flight included).
 
 Failure rules: an upstream connection error (or a broken answer) before any byte reached the
 client reports a failure (``release(failed=True)``: passive ejection) and retries under the
@@ -15,6 +16,9 @@ is reported too, and answered 504, not retried; an upstream 5xx is passed throug
 reported as a failure; a full pool waits as the balancer's ``wait_timeout`` says, then is a
 503 with ``Retry-After``; an empty pool is a 503; a malformed request is a 400 and takes no
 lease.
+
+Client connections are bounded (:class:`Connections`): a request's headers must arrive in
+time, and idle connections are few enough and short-lived enough.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from .handlers import (
     describe_error,
     forward_headers,
     pass_headers,
+    to_replica,
 )
 from .routing import GENERATION_PATHS, BadRequest, Route, replica_url, route_request
 
@@ -171,14 +176,14 @@ class Front(Handlers):
                 started = time.perf_counter()
                 upstream: aiohttp.ClientResponse | None = None
                 try:
-                    sent, to = _to_rank(lease.handle, route, raw, headers)
+                    sent, to = _to_rank(lease.handle, route, raw, to_replica(headers, url))
                     upstream = await self._send(request.method, url + target, sent, to)
                     if self.metrics is not None:
                         self.metrics.upstream_seconds(path, time.perf_counter() - started)
                     streaming = route.stream or _is_sse(upstream)
                     first = await (upstream.content.readany() if streaming else upstream.read())
                 except aiohttp.ConnectionTimeoutError as exc:  # never reached: try another
-                    failed, why = lease, f"replica {lease.server_id!r}: {describe_error(exc)}"
+                    failed, why = lease, f"replica {lease.server_id!r}: {describe_error(exc, url)}"
                     continue
                 except asyncio.TimeoutError:  # --upstream-timeout: it may be working on it
                     if upstream is not None:
@@ -194,7 +199,7 @@ class Front(Handlers):
                 except aiohttp.ClientError as exc:
                     if upstream is not None:
                         upstream.close()
-                    failed, why = lease, f"replica {lease.server_id!r}: {describe_error(exc)}"
+                    failed, why = lease, f"replica {lease.server_id!r}: {describe_error(exc, url)}"
                     continue
                 except BaseException:
                     if upstream is not None:
@@ -296,6 +301,133 @@ def _payload(raw: bytes) -> BytesPayload | None:
     return BytesPayload(raw) if raw else None
 
 
+class Connections:
+    """Bounds on the client connections of one serve process, as gateways bound theirs: a
+    request's headers must arrive within ``header_timeout`` of its first byte (a client that
+    sends half a request line is closed then, not held), and at most ``max_idle`` connections
+    wait idle (open, with no request in progress) at once: past that, the oldest idle one is
+    closed. A connection idle longer than the keep-alive timeout is closed by aiohttp.
+
+    The protocol factory of the listening socket: each connection's aiohttp protocol is
+    wrapped in a :class:`_Watched`, told by :meth:`middleware` when a request starts and ends.
+    """
+
+    def __init__(self, header_timeout: float, max_idle: int) -> None:
+        self.header_timeout, self.max_idle = header_timeout, max_idle
+        self.server: web.Server | None = None  # the runner's, once it is set up
+        self.idle: dict[_Watched, None] = {}  # in the order they went idle: oldest first
+
+    def __call__(self) -> _Watched:
+        assert self.server is not None
+        return _Watched(self, self.server())
+
+    def went_idle(self, conn: _Watched) -> None:
+        self.idle.pop(conn, None)
+        self.idle[conn] = None
+        while len(self.idle) > self.max_idle:
+            oldest = next(iter(self.idle))
+            del self.idle[oldest]
+            oldest.inner.force_close()  # what aiohttp does when keep-alive runs out
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        transport = request.transport
+        conn = transport.get_protocol() if transport is not None else None
+        if not isinstance(conn, _Watched):
+            return await handler(request)  # type: ignore[no-any-return]
+        conn.started()
+        try:
+            return await handler(request)  # type: ignore[no-any-return]
+        finally:
+            conn.ended()
+
+
+class _Watched(asyncio.Protocol):
+    """One client connection: aiohttp's protocol, with its header timer and idle state."""
+
+    __slots__ = ("busy", "inner", "limits", "timer")
+
+    def __init__(self, limits: Connections, inner: web.RequestHandler) -> None:
+        self.limits, self.inner = limits, inner
+        self.busy = False  # a request is in progress (its headers were read)
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.inner.connection_made(transport)
+        self.limits.went_idle(self)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.busy and self.timer is None:  # the first byte of a request's headers
+            self.limits.idle.pop(self, None)
+            loop = asyncio.get_running_loop()
+            self.timer = loop.call_later(self.limits.header_timeout, self._headers_late)
+        self.inner.data_received(data)
+
+    def _headers_late(self) -> None:
+        self.timer = None
+        if not self.busy:
+            self.inner.force_close()
+
+    def started(self) -> None:
+        self.busy = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.limits.idle.pop(self, None)
+
+    def ended(self) -> None:
+        self.busy = False
+        self.limits.went_idle(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.limits.idle.pop(self, None)
+        self.inner.connection_lost(exc)
+
+    def eof_received(self) -> None:
+        self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+class _Site(web.BaseSite):
+    """A site that listens on host:port or on a given socket, with :class:`Connections` as
+    its protocol factory."""
+
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        connections: Connections,
+        host: str,
+        port: int,
+        sock: socket.socket | None,
+    ) -> None:
+        super().__init__(runner)
+        self._connections, self._host, self._port, self._sock = connections, host, port, sock
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        if self._sock is None:
+            self._server = await loop.create_server(
+                self._connections, self._host, self._port, backlog=self._backlog
+            )
+        else:
+            self._server = await loop.create_server(
+                self._connections, sock=self._sock, backlog=self._backlog
+            )
+
+
 @contextlib.asynccontextmanager
 async def running(
     front: Front,
@@ -307,14 +439,21 @@ async def running(
 ) -> Any:
     """Serve ``front`` on host:port (or on ``sock``, a socket already bound and listening)
     until the block ends; yields the bound (host, port)."""
+    o = front.options
+    app = front.app()
     runner = web.AppRunner(
-        front.app(), handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=shutdown_timeout,
+        keepalive_timeout=o.keepalive_timeout,
     )
+    connections = Connections(o.header_timeout, o.max_idle_connections)
+    app.middlewares.append(connections.middleware)
     await runner.setup()
     try:
-        site: web.BaseSite = (
-            web.TCPSite(runner, host, port) if sock is None else web.SockSite(runner, sock)
-        )
+        connections.server = runner.server
+        site = _Site(runner, connections, host, port, sock)
         await site.start()
         bound = runner.addresses[0]
         yield bound[0], bound[1]
