@@ -27,7 +27,8 @@ for _, k in ipairs({ 'servers', 'load', 'draining', 'leases', 'byreq', 'holders'
                      'weighted', 'locality', 'weight_version', 'off', 'back', 'capacity',
                      'ejected', 'eject_why', 'fails', 'ejections', 'failures', 'waiters',
                      'waiting', 'waitseq', 'waitstats', 'clock', 'heal', 'engine',
-                     'engine_at', 'escore', 'eextra', 'wscore', 'wextra', 'pinned' }) do
+                     'engine_at', 'escore', 'eextra', 'wscore', 'wextra', 'pinned',
+                     'last_error' }) do
   n = n + redis.call('DEL', P .. k)
 end
 return n
