@@ -314,5 +314,5 @@ def test_servers_add_refuses_meta_that_is_neither_json_nor_a_url(make_lb, server
     proc = run_cli(
         "--name", lb.name, "servers", "add", "x", "--meta", "ftp://h/", redis=server.url
     )  # fmt: skip
-    assert proc.returncode == 1 and "--meta is neither JSON nor an http://" in proc.stderr
+    assert proc.returncode == 1 and "--meta is not valid JSON, nor an http://" in proc.stderr
     assert "x" not in lb.get_all_servers()

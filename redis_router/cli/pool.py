@@ -126,7 +126,7 @@ def _parse_meta(text: str) -> Any:
         return json.loads(text)
     except ValueError as exc:
         raise CliError(
-            f"--meta is neither JSON nor an http:// or https:// URL ({exc}): {text[:60]!r}"
+            f"--meta is not valid JSON, nor an http:// or https:// URL ({exc}): {text[:60]!r}"
         ) from None
 
 
