@@ -15,7 +15,7 @@
 --          waiting is { waiting now, the first one's wait so far (ms), served after waiting,
 --          their total and longest wait (ms), given up, abandoned (process died) }
 -- Health   per row: capacity ("" = none), ejected until (ms, "" = not), why, failures in a
---          row (0 once a lease on it ended otherwise since: lib/health.lua), failures
+--          row (with ejection off, 0 once a lease on it ended otherwise: lib/health.lua), failures
 --          reported, ejections in a row.
 -- Uses     lib/base
 local width, span = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -29,6 +29,8 @@ for b = cur, cur - span, -1 do
   end
 end
 local rows = {}
+-- With ejection on, a success deletes its replica's streak; off, the mark tells it ended.
+local exact = (redis.call('HGET', P .. 'config', 'ejection') or '') ~= ''
 for d, zs in ipairs({ 'load', 'draining', 'off' }) do
   local ids = redis.call('ZRANGE', P .. zs, 0, -1, 'WITHSCORES')
   for i = 1, #ids, 2 do
@@ -42,15 +44,15 @@ for d, zs in ipairs({ 'load', 'draining', 'off' }) do
     local held = redis.call('ZCARD', P .. 'held:' .. id)
     local acquires = tonumber(redis.call('HGET', P .. 'acquires', id) or 0)
     local reclaimed = tonumber(redis.call('HGET', P .. 'reclaimed', id) or 0)
-    -- The last failure, and whether its streak still holds: no lease on id ended since,
-    -- other than by a failure or a reclaim (lib/health.lua mark_of).
+    -- The last failure, and whether its streak still holds (ejection off): no lease on id
+    -- ended since, other than by a failure or a reclaim (lib/health.lua mark_of).
     local last = redis.call('HGET', P .. 'last_error', id)
     local at, mark, why
     if last then
       at, mark, why = string.match(last, '^(%d+)' .. SEP .. '(%-?%d+)' .. SEP .. '(.*)$')
     end
     local streak = 0
-    if mark and tonumber(mark) == acquires - held - reclaimed then
+    if exact or (mark and tonumber(mark) == acquires - held - reclaimed) then
       streak = tonumber(redis.call('HGET', P .. 'fails', id) or 0)
     end
     rows[#rows + 1] = {

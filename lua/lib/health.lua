@@ -7,10 +7,11 @@
 -- P.."config" field `ejection` ("after base_ms max_ms share mode"; "" = off): a failure reads
 -- them, a success never (the release's operation id says whether ejection is on, see
 -- released()).
---   P.."fails"      HASH  id -> failures in a row, counted with ejection on or off; a streak
---                         holds while no lease on id ended, other than by a failure or a
---                         reclaim, since its last failure (the mark in P.."last_error"), so a
---                         success ends it without a write (with ejection on, "+" also clears it)
+--   P.."fails"      HASH  id -> failures in a row, counted with ejection on or off. On, a
+--                         success ("+") deletes it. Off, a release makes no health call: the
+--                         streak holds while no lease on id ended, other than by a failure or
+--                         a reclaim, since its last failure (the mark in P.."last_error"), so a
+--                         success ends it without a write (so does a close)
 --   P.."last_error" HASH  id -> at_ms..SEP..mark..SEP..why: the last failure reported for id,
 --                         and the mark then (mark_of(id))
 --   P.."ejected"    ZSET  id -> ejected until (ms); P.."eject_why" HASH id -> why
@@ -70,19 +71,22 @@ local function health()
   -- `ended`: 1 when the failure ended a lease (a failed request), 0 for a probe.
   function H.failed(id, why, now, ended, err)
     redis.call('HINCRBY', P .. 'failures', id, '1')
+    local after, base, max, share = H.settings()
     local mark = mark_of(id)
-    local last = redis.call('HGET', P .. 'last_error', id)
-    local prev = last and tonumber(string.match(last, '^%d+' .. SEP .. '(%-?%d+)'))
     local n = 1
-    if prev == mark - ended then
+    if after then -- a success ends the streak itself ("+")
       n = redis.call('HINCRBY', P .. 'fails', id, '1')
     else
-      redis.call('HSET', P .. 'fails', id, '1') -- a success (or a close) came in between
+      local last = redis.call('HGET', P .. 'last_error', id)
+      if last and tonumber(string.match(last, '^%d+' .. SEP .. '(%-?%d+)')) == mark - ended then
+        n = redis.call('HINCRBY', P .. 'fails', id, '1')
+      else
+        redis.call('HSET', P .. 'fails', id, '1') -- a success (or a close) came in between
+      end
     end
     redis.call('HSET', P .. 'last_error', id,
       int(now) .. SEP .. int(mark) .. SEP .. string.sub(err, 1, MAX_WHY))
     STREAKS = true
-    local after, base, max, share = H.settings()
     if after and n >= after
       and H.eject(id, int(n) .. ' ' .. why .. ' in a row', now, base, max, share) then
       redis.call('HDEL', P .. 'fails', id)
