@@ -160,6 +160,21 @@ def test_a_success_ends_the_streak_and_a_release_pays_no_health_command(make_lb,
     invariants.check(r, lb.name)
 
 
+def test_a_reclaimed_lease_neither_ends_nor_extends_a_streak(make_lb, r):
+    lb = make_lb({"a": None})  # ejection off
+    crashed = make_lb(name=lb.name, lease_ttl=0.5)
+    lost = crashed.acquire("dies-with-it")
+    lb.acquire("f1").fail()
+    invariants.silence(crashed)  # as if its process died
+    invariants.listen(lb, 0.8)  # others are heard: it is dead, not on probation
+    assert lb.reap() == 1
+    lb.acquire("f2").fail()
+    seen = lb.get_status()["replicas"]["a"]
+    assert seen["failures_in_a_row"] == 2 and seen["reclaimed"] == 1, seen
+    assert lost.server_id == "a"
+    invariants.check(r, lb.name)
+
+
 def test_health_once_says_why_and_status_keeps_the_last_error(make_lb, server, endpoints, capsys):
     endpoints.serve("/ok/health", "ok")
     endpoints.serve("/bad/health", "down", status=503)
@@ -254,6 +269,21 @@ with lb.lease("session-42") as lease:
     pass
 os._exit(0)  # done, without close()
 """
+
+
+def test_the_unheard_line_says_whether_their_probation_runs():
+    from redis_router.cli.status import hints
+
+    holders = {"unheard": 2, "unheard_ms": 61500, "unheard_leases": 3, "probation_ms": 4200}
+    snap = {"balancer": "b", "totals": {"active": 1}, "replicas": {"s0": {"state": "active"}}}
+    waiting = hints({**snap, "holders": {**holders, "probation_running": False}})
+    assert waiting == [
+        "2 process(es) unheard for 61.5s (they exited, or Redis paused), holding 3 lease(s): "
+        "on probation, reclaimed 4.2s after a worker or `redis-router --name b reap --wait` "
+        "next calls"
+    ]
+    running = hints({**snap, "holders": {**holders, "probation_running": True}})
+    assert running[0].endswith("on probation, reclaimed in 4.2s unless heard again")
 
 
 def test_processes_that_exited_without_close_are_forgotten_by_reap_wait(make_lb, server, r):
