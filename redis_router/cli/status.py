@@ -138,10 +138,10 @@ def health_lines(snap: dict[str, Any]) -> list[str]:
                 f"{r['ejections_in_a_row']} in a row): {r['ejected_why']}"
             )
         elif r.get("failures_in_a_row"):
-            out.append(
-                f"failing {sid}: {r['failures_in_a_row']} failures in a row, the last "
-                f"{r['last_error_age']:.1f} s ago: {r['last_error']}"
-            )
+            line = f"failing {sid}: {r['failures_in_a_row']} failures in a row"
+            if r.get("last_error") is not None:  # none from before versions that keep it
+                line += f", the last {r['last_error_age']:.1f} s ago: {r['last_error']}"
+            out.append(line)
     if "ejection" in snap:
         out.append(f"ejection: {snap['ejection']}")
     scoring = snap.get("engine_scoring")
