@@ -24,7 +24,7 @@ local W, L = P .. 'weighted', P .. 'load'
 local function least_weighted(rand)
   local n = redis.call('ZCARD', L)
   if n == 0 then return nil end
-  if redis.call('ZCARD', P .. 'draining') == 0 and redis.call('ZCARD', W) == n then
+  if not EXCL and redis.call('ZCARD', P .. 'draining') == 0 and redis.call('ZCARD', W) == n then
     -- `weighted` holds exactly the pool, and the pool is `load`: rank it directly.
     local first = redis.call('ZRANGE', W, 0, 0, 'WITHSCORES')
     local ties = redis.call('ZCOUNT', W, first[2], first[2])

@@ -5,14 +5,19 @@ from .balancer import Lease, RedisLoadBalancer
 from .client import RouterClient
 from .engine import EngineLoad
 from .errors import (
+    BalancerClosed,
     ConfigMismatch,
+    CredentialsRefused,
     NoCapacity,
     NoServersAvailable,
+    PoolExhausted,
+    RedisConfigError,
     RedisOutOfMemory,
     RedisRouterError,
     RedisUnavailable,
     ReplicaEjected,
     RouterConfigError,
+    UnknownRedisHost,
 )
 from .loader import get_router_handle
 from .outbox import Released
@@ -25,12 +30,16 @@ __all__ = [
     "AsyncRedisLoadBalancer",
     "AsyncReleased",
     "AsyncRequestLoadBalancer",
+    "BalancerClosed",
     "ConfigMismatch",
+    "CredentialsRefused",
     "EngineLoad",
     "EngineScoring",
     "Lease",
     "NoCapacity",
     "NoServersAvailable",
+    "PoolExhausted",
+    "RedisConfigError",
     "RedisLoadBalancer",
     "RedisOutOfMemory",
     "RedisRouterError",
@@ -40,6 +49,7 @@ __all__ = [
     "RequestLoadBalancer",
     "RouterClient",
     "RouterConfigError",
+    "UnknownRedisHost",
     "VerlRouter",
     "get_router_handle",
 ]

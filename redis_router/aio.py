@@ -14,7 +14,15 @@ import logging
 import random
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Generator,
+    Mapping,
+    Sequence,
+)
 from typing import Any
 
 from redis import exceptions as rx
@@ -32,21 +40,24 @@ from .connection import (
     send_failure,
     sentinel_check_due,
     stale_pools,
-    unavailable_message,
+    unavailable,
 )
 from .core import (
-    EJECTION_SLACK,
-    RECLAIM_CALLS,
-    WAIT_SLACK,
+    Admission,
+    Attempt,
+    Block,
     Call,
     Grant,
     Op,
+    Pause,
+    Step,
+    Steps,
     T,
+    admit,
     build_core,
     fields_per_request,
     new_token,
     new_tokens,
-    probation_wait,
 )
 from .direct import Pipe
 from .engine import EngineLoad
@@ -55,7 +66,6 @@ from .errors import (
     NoServersAvailable,
     RedisRouterError,
     RedisUnavailable,
-    ReplicaEjected,
 )
 from .invoke import Sender
 from .policy import LeastLoaded, RoutingPolicy
@@ -116,8 +126,8 @@ class AsyncLease:
 
     async def renew(self, remaining: int | None = None) -> bool:
         """Restart the lease's age and, with ``remaining``, set its weight (see Lease.renew).
-        False if the lease is already gone."""
-        if self._released:
+        False if the lease is already gone (as after the balancer's close())."""
+        if self._released or self._balancer._core.closed:
             if remaining is not None:
                 validation.weight(remaining, "remaining")
             return False
@@ -188,6 +198,7 @@ class AsyncRedisLoadBalancer:
         engine_scoring: EngineScoring | Mapping[str, Any] | bool | None = None,
         spread_sessions: bool = False,
         coalesce: bool = True,
+        max_connections: int | None = None,
         **policy_options: Any,
     ) -> None:
         if not isinstance(coalesce, bool):
@@ -219,9 +230,12 @@ class AsyncRedisLoadBalancer:
         )
         self._keeper: asyncio.Future[None] | None = None
         self._initial = validation.servers_mapping(servers) if servers is not None else {}
-        self._client, self.url, self._owns_client = client_for(redis, asyncio=True)
+        self._client, self.url, self._owns_client = client_for(
+            redis, asyncio=True, max_connections=max_connections
+        )
         # What the client was made from, to make it again on another event loop (below).
         self._given_url = resolve_url(redis) if self._owns_client else None
+        self._max_connections = max_connections
         self._scripts = Sender(self._client)  # FCALL or EVALSHA, probed on the first call
         self._setup: asyncio.Future[None] | None = None
         self._coalesce = coalesce
@@ -284,7 +298,9 @@ class AsyncRedisLoadBalancer:
         else:
             # The old client's connections belong to the old loop; they cannot even be closed
             # from here and go with the old client.
-            self._client = connect(self._given_url, asyncio=True)
+            self._client = connect(
+                self._given_url, asyncio=True, max_connections=self._max_connections
+            )
             self._scripts = Sender(self._client)
         self._make_coalescers()
         if self._setup is not None and not self._setup.done():
@@ -339,6 +355,9 @@ class AsyncRedisLoadBalancer:
     async def _run(self, op: Op[T], ordered: bool = False) -> T:
         """Run an operation; ``ordered``: on the balancer's ordered connection, behind the
         releases written before it (when it has one)."""
+        if self._core.closed:
+            op.close()
+            raise self._core.closed_error()
         self._bind()
         if not _succeeded(self._setup):
             await self._ensure_setup()
@@ -349,7 +368,15 @@ class AsyncRedisLoadBalancer:
         them (reads, pool changes: everything but the coalesced acquires and releases, which
         go out in the order they were made)."""
         if self._posted:
-            await asyncio.wait(set(self._posted))
+            posted = set(self._posted)
+            await asyncio.wait(posted)
+            for future in posted:
+                error = None if future.cancelled() else future.exception()
+                if type(error) is RedisUnavailable:
+                    # Redis failed them just now (silent for a whole socket timeout, or
+                    # unreachable): this call fails with them rather than wait as long again.
+                    op.close()
+                    raise RedisUnavailable(str(error))
         return await self._run(op)
 
     async def _ensure_setup(self) -> None:
@@ -367,7 +394,7 @@ class AsyncRedisLoadBalancer:
             try:
                 await initialize()
             except (rx.RedisClusterException, rx.ConnectionError, rx.TimeoutError) as exc:
-                raise RedisUnavailable(unavailable_message(self.url, exc)) from None
+                raise unavailable(self.url, exc) from None
         await self._drive(self._core.setup(self._initial))
         if self._pipe is not None:  # releases are written at once from the first on
             await self._scripts.preload_async(self._core.release_script)
@@ -394,6 +421,7 @@ class AsyncRedisLoadBalancer:
         *,
         args: Sequence[tuple[str, ...]] | None = None,
         ticket: str | None = None,
+        exclude: tuple[str, ...] = (),
     ) -> list[Grant]:
         """Every acquire script call goes through here. It runs in a task of its own, shielded:
         cancelling the caller (``asyncio.wait_for`` while Redis is slow) leaves the call to
@@ -401,7 +429,9 @@ class AsyncRedisLoadBalancer:
         counted. (Cancelled mid-reply, redis-py would drop the connection while the script
         may still run, and a release sent meanwhile on another connection could arrive first.)"""
         tokens = tokens or new_tokens(len(request_ids))
-        op = self._core.acquire(request_ids, tokens, fields, args=args, ticket=ticket)
+        op = self._core.acquire(
+            request_ids, tokens, fields, args=args, ticket=ticket, exclude=exclude
+        )
         call = asyncio.ensure_future(self._run(op))
         try:
             return await asyncio.shield(call)
@@ -425,87 +455,27 @@ class AsyncRedisLoadBalancer:
             for rid, token in zip(request_ids, tokens, strict=True):
                 self._post("", rid, token)
 
-    async def _admitted(
-        self,
-        first: Awaitable[list[Grant]],
-        request_ids: list[str],
-        tokens: list[str] | None,
-        fields: Sequence[Mapping[str, Any]] | None,
-        wait: float | None,
-        reclaimed: bool = False,
-    ) -> list[Grant]:
-        """``first`` (an acquire), and when it finds every eligible replica full, dead
-        processes' places reclaimed (once, see RedisLoadBalancer._reclaim_for_place) and a
-        wait in the queue (see RedisLoadBalancer._wait_for_place) of at most ``wait``
-        seconds."""
-        core = self._core
-        budget = core.wait_timeout if wait is None else wait
-        deadline = time.monotonic() + budget
-        tokens = tokens or new_tokens(len(request_ids))
-        try:
-            return await first
-        except ReplicaEjected as exc:  # a sticky session waits for its replica's return
-            ejected: ReplicaEjected | None = exc
-        except NoCapacity:
-            if not reclaimed and await self._reclaim_for_place():
-                return await self._admitted(
-                    self._acquire(request_ids, tokens, fields),
-                    request_ids,
-                    tokens,
-                    fields,
-                    wait,
-                    reclaimed=True,
-                )
-            if budget <= 0:
-                raise
-            ejected = None
-        while ejected is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ejected
-            await asyncio.sleep(min(left, ejected.seconds_left + EJECTION_SLACK))
-            try:
-                return await self._acquire(request_ids, tokens, fields)
-            except ReplicaEjected as exc:
-                ejected = exc
-            except NoCapacity:
-                break
-        ticket = new_token()
-        await self._run(core.enqueue(ticket, max(0.0, deadline - time.monotonic()) + WAIT_SLACK))
-        served = False
-        try:
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise NoCapacity(
-                        f"balancer {core.name!r}: no replica could take the request within "
-                        f"{budget:g}s (every eligible one full or ejected); add replicas or "
-                        "wait longer"
-                    )
-                await self._block(core.wake_key(ticket), left)
+    async def _admit(self, op: Admission) -> list[Grant]:
+        """Drive :func:`~redis_router.core.admit`: run each step, throw its error back in
+        (a cancel included: a wait in the queue is left, then the cancel goes on)."""
+        with Steps(op) as steps:
+            for step in steps:
                 try:
-                    grants = await self._acquire(request_ids, tokens, fields, ticket=ticket)
-                except ReplicaEjected:
-                    raise  # its replica was ejected meanwhile: it leaves the queue
-                except NoCapacity:
-                    continue
-                served = True
-                return grants
-        finally:
-            if not served:
-                with contextlib.suppress(RedisUnavailable):
-                    await asyncio.shield(self._run(core.leave(ticket)))
+                    steps.reply = await self._step(step)
+                except BaseException as exc:
+                    steps.error = exc
+            return steps.result
 
-    async def _reclaim_for_place(self) -> bool:
-        """See RedisLoadBalancer._reclaim_for_place."""
-        core = self._core
-        reclaimed, limbo, listen = await self._run(core.reap_all(RECLAIM_CALLS))
-        waited = limbo > 0  # another process (or its own keeper) may reap meanwhile
-        until = time.monotonic() + core.lease_ttl
-        while reclaimed == 0 and limbo > 0 and time.monotonic() < until:
-            await asyncio.sleep(probation_wait(limbo, listen))
-            reclaimed, limbo, listen = await self._run(core.reap_all(RECLAIM_CALLS))
-        return reclaimed > 0 or waited
+    async def _step(self, step: Step) -> Any:
+        if isinstance(step, Attempt):
+            return await self._acquire(*step[:3], ticket=step.ticket, exclude=step.exclude)
+        if isinstance(step, Pause):
+            await asyncio.sleep(step.seconds)
+        elif isinstance(step, Block):
+            await self._block(step.key, step.timeout)
+        else:
+            return await self._exec(step)
+        return None
 
     async def _block(self, key: str, timeout: float) -> None:
         """BLPOP for at most ``timeout`` s (see RedisLoadBalancer._block)."""
@@ -519,12 +489,17 @@ class AsyncRedisLoadBalancer:
     # -- coalesced acquires and releases ---------------------------------------------------
 
     async def _acquire_one(
-        self, request_id: str, token: str | None, fields: Mapping[str, Any]
+        self,
+        request_id: str,
+        token: str | None,
+        fields: Mapping[str, Any],
+        exclude: tuple[str, ...] = (),
     ) -> Grant:
         self._bind()
-        if self._acquires is None:
+        if self._acquires is None or exclude:  # an exclusion is the call's: sent by itself
             tokens = [token] if token is not None else None
-            return (await self._acquire([request_id], tokens, [fields] if fields else None))[0]
+            per = [fields] if fields else None
+            return (await self._acquire([request_id], tokens, per, exclude=exclude))[0]
         # The policy's arguments are made (and checked) here: bad fields fail their own
         # caller, never the batch it would have joined.
         args = self._core.request_args(request_id, fields)
@@ -667,7 +642,10 @@ class AsyncRedisLoadBalancer:
         token: str | None = None,
         failed: bool = False,
     ) -> AsyncReleased:
-        """Queue a release now and let it be answered in the background."""
+        """Queue a release now and let it be answered in the background; after close() a
+        no-op whose result is False, as for the sync balancer."""
+        if self._core.closed:
+            return self._post_done(False)
         self._bind()
         future: asyncio.Future[bool]
         if self._pipe is not None and _succeeded(self._setup):
@@ -721,6 +699,13 @@ class AsyncRedisLoadBalancer:
         self, op: Op[list[bool]], call: Call, futures: list[asyncio.Future[bool]], reply: Any
     ) -> None:
         if isinstance(reply, BaseException):
+            if isinstance(reply, rx.TimeoutError):
+                # Redis silent for a socket timeout: failed (reconciliation ends the lease
+                # once Redis is back), not resent to wait as long again.
+                op.close()
+                _settle_all(futures, None, self._refused(reply))
+                self._settled(futures)
+                return
             # A broken connection, or an error reply: sent again the ordinary way (the
             # release's operation ids make a second copy end nothing more).
             self._later(self._release_ordinary(op, call, futures))
@@ -788,10 +773,17 @@ class AsyncRedisLoadBalancer:
         return self._core.policy
 
     async def acquire_server(
-        self, request_id: str, *, wait: float | None = None, **fields: Any
+        self,
+        request_id: str,
+        *,
+        wait: float | None = None,
+        exclude: Collection[str] | None = None,
+        **fields: Any,
     ) -> tuple[str, Any]:
         """Route a request (see RedisLoadBalancer.acquire_server). Returns (id, handle)."""
-        g = await self._acquire_waiting(validation.request_id(request_id), None, fields, wait)
+        self._core.check_acquire(fields)
+        rid, excl = validation.request_id(request_id), validation.exclusion(exclude)
+        g = await self._acquire_waiting(rid, None, fields, wait, excl)
         return g.server_id, g.handle
 
     async def acquire_many(
@@ -799,9 +791,14 @@ class AsyncRedisLoadBalancer:
     ) -> list[tuple[str, Any]]:
         """Route many requests in one round trip (see RedisLoadBalancer.acquire_many)."""
         rids = validation.request_ids(request_ids)
+        self._core.check_acquire(fields)
         per = fields_per_request(len(rids), fields)
         budget = None if wait is None else health.wait_seconds(wait)
-        grants = await self._admitted(self._acquire(rids, None, per), rids, None, per, budget)
+        started = time.monotonic()
+        try:
+            grants = await self._acquire(rids, None, per)
+        except NoCapacity as refused:  # reclaim, wait: core.admit decides
+            grants = await self._admit(admit(self._core, refused, rids, per, budget, started))
         return [(g.server_id, g.handle) for g in grants]
 
     async def acquire(
@@ -810,23 +807,33 @@ class AsyncRedisLoadBalancer:
         *,
         token: str | None = None,
         wait: float | None = None,
+        exclude: Collection[str] | None = None,
         **fields: Any,
     ) -> AsyncLease:
-        """Route a request and return its lease (``token``, ``wait``: see
+        """Route a request and return its lease (``token``, ``wait``, ``exclude``: see
         RedisLoadBalancer.acquire)."""
         rid = validation.request_id(request_id)
         checked = validation.token(token) if token is not None else None
-        return AsyncLease(self, await self._acquire_waiting(rid, checked, fields, wait))
+        self._core.check_acquire(fields)
+        excl = validation.exclusion(exclude)
+        return AsyncLease(self, await self._acquire_waiting(rid, checked, fields, wait, excl))
 
     async def _acquire_waiting(
-        self, rid: str, token: str | None, fields: Mapping[str, Any], wait: float | None
+        self,
+        rid: str,
+        token: str | None,
+        fields: Mapping[str, Any],
+        wait: float | None,
+        exclude: tuple[str, ...] = (),
     ) -> Grant:
         budget = None if wait is None else health.wait_seconds(wait)
-        first = self._acquire_one(rid, token, fields)
-        if budget == 0 or (budget is None and self._core.wait_timeout == 0):
-            return await first
-        tokens = [token] if token is not None else None
-        return (await self._admitted(_listed(first), [rid], tokens, [fields], budget))[0]
+        started = time.monotonic()
+        try:
+            return await self._acquire_one(rid, token, fields, exclude)
+        except NoCapacity as refused:  # reclaim, wait: core.admit decides
+            tokens = [token] if token is not None else None
+            op = admit(self._core, refused, [rid], [fields], budget, started, tokens, exclude)
+            return (await self._admit(op))[0]
 
     @contextlib.asynccontextmanager
     async def lease(
@@ -835,13 +842,16 @@ class AsyncRedisLoadBalancer:
         *,
         renew_every: float | None = None,
         wait: float | None = None,
+        exclude: Collection[str] | None = None,
         **fields: Any,
     ) -> AsyncIterator[AsyncLease]:
         """``async with lb.lease(rid) as lease:`` releases exactly once, also on cancellation
         (a lease granted while the task was being cancelled is released, not leaked)."""
         if renew_every is not None:
             validation.seconds(renew_every, "renew_every", validation.MAX_LEASE_TTL)
-        pending = asyncio.ensure_future(self.acquire(request_id, wait=wait, **fields))
+        pending = asyncio.ensure_future(
+            self.acquire(request_id, wait=wait, exclude=exclude, **fields)
+        )
         try:
             held = await asyncio.shield(pending)
         except asyncio.CancelledError:
@@ -875,7 +885,8 @@ class AsyncRedisLoadBalancer:
         queued at once, ahead of every later call of this balancer, and answered in the
         background. ``await`` what this returns for the result (True if a lease ended); the
         release goes out whether or not anyone awaits it, and close() waits for it.
-        ``failed=True``: the request failed (see RedisLoadBalancer.release_server)."""
+        ``failed=True``: the request failed (see RedisLoadBalancer.release_server). After
+        close(), a no-op whose result is False (see RedisLoadBalancer.close)."""
         sid = validation.server_id(server_id)
         rid = validation.request_id(request_id) if request_id is not None else None
         return self._post(sid, rid, None, validation.flag(failed, "failed"))
@@ -950,11 +961,12 @@ class AsyncRedisLoadBalancer:
 
     async def close(self) -> None:
         """Stop the heartbeats, end unreleased leases at once, close the pool if
-        this balancer made it."""
+        this balancer made it. Afterwards calls fail as RedisLoadBalancer.close says."""
         try:
             self._bind()
         except RedisRouterError:  # a client passed in, whose loop closed: nothing can be sent
             self._keeper = None
+            self._core.closed = True
             return
         if self._posted:  # releases not yet answered go first (bounded)
             await asyncio.wait(set(self._posted), timeout=KEEPER_STOP_TIMEOUT)
@@ -968,6 +980,7 @@ class AsyncRedisLoadBalancer:
                 await self._run(self._core.retire())
             except (RedisRouterError, rx.RedisError) as exc:
                 keeper.report_close_failed(self._core, exc)
+        self._core.closed = True
         if self._pipe is not None:
             await self._pipe.close()
         if self._owns_client:
@@ -982,10 +995,6 @@ class AsyncRedisLoadBalancer:
 
     def __repr__(self) -> str:
         return f"AsyncRedisLoadBalancer(name={self.name!r}, redis={self.url!r})"
-
-
-async def _listed(one: Awaitable[Grant]) -> list[Grant]:
-    return [await one]
 
 
 def _with_tokens(items: list[_AcquireItem]) -> list[_Filled]:

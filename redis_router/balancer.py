@@ -7,7 +7,7 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,21 +25,22 @@ from .connection import (
     stale_pools,
 )
 from .core import (
-    EJECTION_SLACK,
-    RECLAIM_CALLS,
-    WAIT_SLACK,
+    Admission,
+    Attempt,
+    Block,
     Call,
     Grant,
     Op,
+    Pause,
+    Step,
+    Steps,
     T,
+    admit,
     build_core,
     fields_per_request,
-    new_token,
-    new_tokens,
-    probation_wait,
 )
 from .engine import EngineLoad
-from .errors import NoCapacity, RedisRouterError, RedisUnavailable, ReplicaEjected
+from .errors import NoCapacity, RedisRouterError, RedisUnavailable
 from .invoke import Sender, unsent
 from .outbox import Outbox, Released
 from .policy import LeastLoaded, RoutingPolicy
@@ -67,8 +68,8 @@ class Lease:
         needs no renewal). ``remaining``: the lease's weight from now on, what is left of its
         work in its policy's units (least_tokens with remaining_work: ``policy.weigh(...)``);
         absolute, so sending it twice changes nothing more. False if the lease is already
-        gone (nothing is written)."""
-        if self._released:
+        gone, as after the balancer's close() (nothing is written)."""
+        if self._released or self._balancer._core.closed:
             if remaining is not None:
                 validation.weight(remaining, "remaining")
             return False
@@ -110,6 +111,10 @@ class RedisLoadBalancer:
     ``policy`` places new sessions (:mod:`redis_router.policy`; default least loaded): a
     :class:`~redis_router.policy.RoutingPolicy`, its class, or its registered name, with its
     options as further keyword arguments. Every acquire path goes through it.
+
+    ``max_connections`` (default 100): the size of the connection pool of the client made
+    from the URL; a call finding every connection busy waits for one (at most
+    ``connection.POOL_WAIT`` s), then raises PoolExhausted (docs/operations.md).
     """
 
     default_policy: type[RoutingPolicy] = LeastLoaded
@@ -139,6 +144,7 @@ class RedisLoadBalancer:
         wait_timeout: float = 0.0,
         engine_scoring: EngineScoring | Mapping[str, Any] | bool | None = None,
         spread_sessions: bool = False,
+        max_connections: int | None = None,
         **policy_options: Any,
     ) -> None:
         self._core, redis = build_core(
@@ -169,7 +175,9 @@ class RedisLoadBalancer:
         checked = validation.servers_mapping(servers) if servers is not None else {}
         self._keeper: keeper.ThreadKeeper | None = None
         self._keeper_lock = threading.Lock()
-        self._client, self.url, self._owns_client = client_for(redis, asyncio=False)
+        self._client, self.url, self._owns_client = client_for(
+            redis, asyncio=False, max_connections=max_connections
+        )
         self._scripts = Sender(self._client)  # FCALL or EVALSHA, probed on the first call
         # Releases are written at once and answered later (redis_router.outbox); through a
         # Cluster or Sentinel client they wait for their reply (connection.direct_pool).
@@ -192,6 +200,8 @@ class RedisLoadBalancer:
                 if isinstance(reply, rx.ResponseError):
                     if not unsent(reply):  # the script's refusal, as the ordinary path says it
                         raise self._failure(reply)
+                elif isinstance(reply, rx.TimeoutError):  # Redis silent: not resent
+                    raise self._failure(reply)
                 elif isinstance(reply, (rx.RedisError, OSError)):  # the connection broke
                     if not resends(self._client):  # a client made without retries
                         raise self._failure(rx.ConnectionError(str(reply)))
@@ -231,7 +241,11 @@ class RedisLoadBalancer:
         return self._scripts.command(call.script, self._core.prefix, call.args)
 
     def _post(self, op: Op[bool]) -> Released[bool]:
-        """Run a release without waiting for its reply (written at once, read later)."""
+        """Run a release without waiting for its reply (written at once, read later). After
+        close() a release is a no-op whose result is False: close() ended the leases."""
+        if self._core.closed:
+            op.close()
+            return Released.of(False)
         if self._outbox is None:
             return Released.of(self._run(op))
         self._load_release()
@@ -271,83 +285,37 @@ class RedisLoadBalancer:
         tokens: list[str] | None = None,
         fields: Sequence[Mapping[str, Any]] | None = None,
         wait: float | None = None,
+        exclude: tuple[str, ...] = (),
     ) -> list[Grant]:
-        core = self._core
         started = time.monotonic()
-        reclaimed = False
-        while True:
-            try:
-                return self._run(core.acquire(request_ids, tokens, fields))
-            except ReplicaEjected as exc:  # a sticky session waits for its replica's return
-                budget = core.wait_timeout if wait is None else wait
-                left = started + budget - time.monotonic()
-                if left <= 0:
-                    raise
-                time.sleep(min(left, exc.seconds_left + EJECTION_SLACK))
-            except NoCapacity:
-                if not reclaimed:
-                    reclaimed = True
-                    if self._reclaim_for_place():
-                        continue
-                budget = core.wait_timeout if wait is None else wait
-                if budget <= 0:
-                    raise
-                return self._wait_for_place(request_ids, tokens, fields, budget, started + budget)
-
-    def _reclaim_for_place(self) -> bool:
-        """A refused acquire's first step: places held by dead processes are reclaimed now
-        (bounded work), and after a pause of Redis the probation of the processes unheard
-        during it is waited out (at most half the longest lease ttl in use), so a restarted
-        worker is not refused because of the leases its dead predecessor left. True if any
-        lease was reclaimed or a probation waited out (the acquire is worth retrying)."""
         core = self._core
-        reclaimed, limbo, listen = self._run(core.reap_all(RECLAIM_CALLS))
-        waited = limbo > 0  # another process (or its own keeper) may reap meanwhile
-        # While it waits, it keeps Redis hearing it (a probation ends only once Redis has
-        # listened through it), at most lease_ttl in all.
-        until = time.monotonic() + core.lease_ttl
-        while reclaimed == 0 and limbo > 0 and time.monotonic() < until:
-            time.sleep(probation_wait(limbo, listen))
-            reclaimed, limbo, listen = self._run(core.reap_all(RECLAIM_CALLS))
-        return reclaimed > 0 or waited
-
-    def _wait_for_place(
-        self,
-        request_ids: list[str],
-        tokens: list[str] | None,
-        fields: Sequence[Mapping[str, Any]] | None,
-        budget: float,
-        deadline: float,
-    ) -> list[Grant]:
-        """Wait in the balancer's queue (FIFO across processes) until a replica takes the
-        requests: woken by a script's push to this waiter's key, which BLPOP blocks on."""
-        core = self._core
-        tokens = tokens or new_tokens(len(request_ids))
-        ticket = new_token()
-        self._run(core.enqueue(ticket, max(0.0, deadline - time.monotonic()) + WAIT_SLACK))
-        served = False
         try:
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise NoCapacity(
-                        f"balancer {core.name!r}: no replica could take the request within "
-                        f"{budget:g}s (every eligible one full or ejected); add replicas or "
-                        "wait longer"
-                    )
-                self._block(core.wake_key(ticket), left)
+            return self._run(core.acquire(request_ids, tokens, fields, exclude=exclude))
+        except NoCapacity as refused:  # reclaim, wait: core.admit decides
+            op = admit(core, refused, request_ids, fields, wait, started, tokens, exclude)
+            return self._admit(op)
+
+    def _admit(self, op: Admission) -> list[Grant]:
+        """Drive :func:`~redis_router.core.admit`: run each step, throw its error back in."""
+        with Steps(op) as steps:
+            for step in steps:
                 try:
-                    grants = self._run(core.acquire(request_ids, tokens, fields, ticket=ticket))
-                except ReplicaEjected:
-                    raise  # its replica was ejected meanwhile: it leaves the queue
-                except NoCapacity:
-                    continue
-                served = True
-                return grants
-        finally:
-            if not served:
-                with contextlib.suppress(RedisUnavailable):
-                    self._run(core.leave(ticket))
+                    steps.reply = self._step(step)
+                except BaseException as exc:
+                    steps.error = exc
+            return steps.result
+
+    def _step(self, step: Step) -> Any:
+        if isinstance(step, Attempt):
+            core = self._core
+            return self._run(core.acquire(*step[:3], ticket=step.ticket, exclude=step.exclude))
+        if isinstance(step, Pause):
+            time.sleep(step.seconds)
+        elif isinstance(step, Block):
+            self._block(step.key, step.timeout)
+        else:
+            return self._exec(step)
+        return None
 
     def _block(self, key: str, timeout: float) -> None:
         """BLPOP for at most ``timeout`` s (at most BLOCK_MAX s: within the socket timeout; a
@@ -358,6 +326,9 @@ class RedisLoadBalancer:
             time.sleep(min(timeout, TRANSIENT_BACKOFF[0]))
 
     def _run(self, op: Op[T]) -> T:
+        if self._core.closed:
+            op.close()
+            raise self._core.closed_error()
         try:
             call = next(op)
             while True:
@@ -380,14 +351,25 @@ class RedisLoadBalancer:
         return self._core.policy
 
     def acquire_server(
-        self, request_id: str, *, wait: float | None = None, **fields: Any
+        self,
+        request_id: str,
+        *,
+        wait: float | None = None,
+        exclude: Collection[str] | None = None,
+        **fields: Any,
     ) -> tuple[str, Any]:
         """Route a request: its sticky replica, else where the policy places it (default: the
         least loaded). ``fields``: what the policy reads (``require_acquire_fields``).
         ``wait``: seconds to wait for a place when every eligible replica is full (default
-        the balancer's ``wait_timeout``; 0 raises NoCapacity at once). Returns (id, handle)."""
+        the balancer's ``wait_timeout``; 0 raises NoCapacity at once). ``exclude``: server
+        ids the request must not go to (a retry's failed replicas), sticky or new: a session
+        on one is placed anew and pinned where it goes; NoServersAvailable when they leave
+        none that takes new sessions (NoCapacity when one that is not excluded is full or
+        ejected). Returns (id, handle)."""
         rid = validation.request_id(request_id)
-        g = self._acquire([rid], None, [fields] if fields else None, _wait(wait))[0]
+        self._core.check_acquire(fields)
+        excl = validation.exclusion(exclude)
+        g = self._acquire([rid], None, [fields] if fields else None, _wait(wait), excl)[0]
         return g.server_id, g.handle
 
     def acquire_many(
@@ -397,6 +379,7 @@ class RedisLoadBalancer:
         field is a sequence with one value per request id (``prompt_ids=[...]``). With
         capacities, the batch is granted whole or not at all."""
         rids = validation.request_ids(request_ids)
+        self._core.check_acquire(fields)
         per = fields_per_request(len(rids), fields)
         grants = self._acquire(rids, None, per, _wait(wait))
         return [(g.server_id, g.handle) for g in grants]
@@ -407,16 +390,18 @@ class RedisLoadBalancer:
         *,
         token: str | None = None,
         wait: float | None = None,
+        exclude: Collection[str] | None = None,
         **fields: Any,
     ) -> Lease:
         """Route a request and return its :class:`Lease`. Passing the token of an earlier,
         failed attempt makes a retry safe: a lease already granted is returned, not doubled.
-        ``wait``: as acquire_server."""
+        ``wait``, ``exclude``: as acquire_server."""
         rid = validation.request_id(request_id)
         tokens = [validation.token(token)] if token is not None else None
-        return Lease(
-            self, self._acquire([rid], tokens, [fields] if fields else None, _wait(wait))[0]
-        )
+        self._core.check_acquire(fields)
+        excl = validation.exclusion(exclude)
+        per = [fields] if fields else None
+        return Lease(self, self._acquire([rid], tokens, per, _wait(wait), excl)[0])
 
     @contextmanager
     def lease(
@@ -425,6 +410,7 @@ class RedisLoadBalancer:
         *,
         renew_every: float | None = None,
         wait: float | None = None,
+        exclude: Collection[str] | None = None,
         **fields: Any,
     ) -> Iterator[Lease]:
         """``with lb.lease(rid) as lease:`` routes, yields the lease, releases it exactly once.
@@ -435,7 +421,7 @@ class RedisLoadBalancer:
         """
         if renew_every is not None:
             validation.seconds(renew_every, "renew_every", validation.MAX_LEASE_TTL)
-        held = self.acquire(request_id, wait=wait, **fields)
+        held = self.acquire(request_id, wait=wait, exclude=exclude, **fields)
         stop = threading.Event()
         renewer = None
         if renew_every is not None:
@@ -467,7 +453,8 @@ class RedisLoadBalancer:
         milliseconds from the background). The result, ``.result()`` (or ``bool()`` of what
         this returns), waits for the reply: True if a lease ended. Releasing twice, or for an
         unknown or removed replica, is a no-op whose result is False; a copy resent after a
-        timeout reports the first one's result and ends nothing else.
+        timeout reports the first one's result and ends nothing else; so is a release after
+        close(), which ended this balancer's leases (nothing is sent).
         ``failed=True``: the request failed (passive health, see ``Lease.fail``)."""
         sid = validation.server_id(server_id)
         rid = validation.request_id(request_id) if request_id is not None else None
@@ -564,7 +551,9 @@ class RedisLoadBalancer:
     def close(self) -> None:
         """Stop the heartbeats and end this balancer's unreleased leases at once
         (nothing can keep them alive any more); close the connection pool if this balancer
-        made it (a client you passed stays open). Releases not yet answered are read first."""
+        made it (a client you passed stays open). Releases not yet answered are read first.
+        Afterwards every call raises BalancerClosed, except a release or renewal, which
+        returns False (the lease is gone), and close() itself (it does nothing more)."""
         if self._outbox is not None:
             self._outbox.close()
         stopping, self._keeper = self._keeper, None
@@ -574,6 +563,7 @@ class RedisLoadBalancer:
                 self._run(self._core.retire())
             except (RedisRouterError, rx.RedisError) as exc:
                 keeper.report_close_failed(self._core, exc)
+        self._core.closed = True
         if self._owns_client:
             self._client.close()
 

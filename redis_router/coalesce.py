@@ -72,7 +72,19 @@ class Coalescer(Generic[Item, Result]):
         return bool(self._queue)
 
     async def submit(self, item: Item) -> Result:
-        return await self.put(item)
+        """``item``'s outcome. A caller cancelled after its outcome was set (the reply came
+        in the same loop turn as the cancel) gets its CancelledError, and its result goes to
+        ``orphan``, as one cancelled while waiting does."""
+        fut = self.put(item)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                if self._orphan is not None:
+                    self._orphan(item, fut.result())
+            else:
+                fut.cancel()  # still queued or in flight: _settle hands it to orphan
+            raise
 
     def put(self, item: Item) -> asyncio.Future[Result]:
         """Queue ``item`` now (in arrival order with every other call) and return the future

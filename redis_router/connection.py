@@ -10,10 +10,12 @@ password, query credential or part of one reaches an error, a log line or status
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import os
 import re
+import socket
 import time
 import weakref
 from collections.abc import Callable
@@ -24,7 +26,14 @@ from redis import exceptions as rx
 from redis.asyncio.sentinel import MasterNotFoundError as AsyncMasterNotFoundError
 from redis.sentinel import MasterNotFoundError
 
-from .errors import RedisOutOfMemory, RedisUnavailable
+from .errors import (
+    CredentialsRefused,
+    PoolExhausted,
+    RedisConfigError,
+    RedisOutOfMemory,
+    RedisUnavailable,
+    UnknownRedisHost,
+)
 from .packing import pack_in_c
 
 DEFAULT_URL = "redis://localhost:6379/0"
@@ -35,6 +44,12 @@ SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster")
 # it is never counted twice.
 CLIENT_OPTIONS: dict[str, Any] = {"socket_connect_timeout": 2.0, "socket_timeout": 5.0}
 RETRIES = 2
+# Connections a balancer's client keeps at most (its ``max_connections`` option), and the
+# seconds a call waits for one of them to be free before it raises PoolExhausted. Concurrent
+# calls beyond the size wait their turn, as in redis-py's BlockingConnectionPool, rather than
+# fail as if Redis were down.
+DEFAULT_MAX_CONNECTIONS = 100
+POOL_WAIT = 5.0
 # Replies after which the script provably wrote nothing, so resending it is safe: the server
 # became a replica in a failover (READONLY; inside a script, Redis 6.2 wraps it in "ERR Error
 # running script ... -READONLY"), is loading its data, or lost its master or cluster quorum.
@@ -188,8 +203,12 @@ def send_failure(
     """What a failed script call means, for the sync and async balancers alike: the exception
     to raise, or None when nothing was written and the call should be resent after a pause
     (``final``: no pause is left)."""
-    if isinstance(exc, (rx.ConnectionError, rx.TimeoutError)):
-        return RedisUnavailable(unavailable_message(url, exc))
+    if isinstance(exc, rx.ConnectionError) and str(exc) == "Too many connections":
+        return pool_exhausted(0, None)  # a Cluster's or Sentinel's pool, which does not wait
+    if isinstance(
+        exc, (rx.ConnectionError, rx.TimeoutError, rx.AuthenticationWrongNumberOfArgsError)
+    ):
+        return unavailable(url, exc)
     if out_of_memory(exc):
         return out_of_memory_error(url, exc)
     if not transient(exc):
@@ -223,6 +242,67 @@ def out_of_memory_error(url: str, exc: Exception) -> RedisOutOfMemory:
         "(CONFIG SET maxmemory), and keep maxmemory-policy noeviction (an evicting policy "
         "would drop leases and corrupt counts)",
         reply,
+    )
+
+
+# getaddrinfo's "no such host" (not EAI_AGAIN, a DNS server that did not answer: an outage).
+_NO_SUCH_HOST = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
+# The same in an error rebuilt from text, which lost its cause (glibc's and macOS's words).
+_NO_SUCH_HOST_TEXT = re.compile(
+    r"Name or service not known|nodename nor servname provided|No address associated with host"
+)
+# Redis's replies when it requires a password the client did not give: NOAUTH (redis-py
+# strips the prefix), and HELLO's words for it.
+_NO_PASSWORD = re.compile(r"NOAUTH|[Aa]uthentication required|already authenticated")
+
+
+def unavailable(url: str, exc: Exception) -> RedisUnavailable | RedisConfigError:
+    """What a failure to reach Redis raises: RedisUnavailable (an outage: calls work again
+    once Redis is back), or a RedisConfigError when no retry can help: Redis refused the
+    credentials (CredentialsRefused), or the host name does not resolve (UnknownRedisHost).
+    ``url`` is already redacted."""
+    return config_error(url, exc) or RedisUnavailable(unavailable_message(url, exc))
+
+
+def config_error(url: str, exc: BaseException) -> RedisConfigError | None:
+    """The RedisConfigError that ``exc`` (or an error it was raised from) means, if any."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # the error, its cause, theirs: a few links at most
+        if seen is None:
+            break
+        if isinstance(seen, (rx.AuthenticationError, rx.AuthenticationWrongNumberOfArgsError)):
+            return CredentialsRefused(_credentials_message(url, seen))
+        if isinstance(seen, socket.gaierror) and seen.errno in _NO_SUCH_HOST:
+            return UnknownRedisHost(_unknown_host_message(url, exc))
+        seen = seen.__cause__ or seen.__context__
+    if isinstance(exc, rx.ConnectionError) and _NO_SUCH_HOST_TEXT.search(str(exc)):
+        return UnknownRedisHost(_unknown_host_message(url, exc))
+    return None
+
+
+def _credentials_message(url: str, exc: BaseException) -> str:
+    # Redis's own words, up to the first comma (HELLO's go on about its syntax)
+    reply = hide_userinfo(str(exc)).splitlines()[0].split(",")[0][:120].rstrip(". ") or "refused"
+    if isinstance(exc, rx.AuthenticationWrongNumberOfArgsError):
+        why = "it takes a password only (a server before Redis 6 has no users): drop the user name"
+    elif _NO_PASSWORD.search(str(exc)):
+        why = "it requires a password and the URL gives none"
+    else:
+        why = "the password is wrong, or the user does not exist or is disabled"
+    return (
+        f"Redis at {url} refused the credentials: {why} (Redis: {reply}); retrying will not "
+        "help. Check the user name and password in the URL (redis://USER:PASSWORD@host:port/db, "
+        "percent-encoded, or ?username=...&password=...) and the server's requirepass or ACL "
+        "user (ACL LIST: the user must exist, be on, and have that password)"
+    )
+
+
+def _unknown_host_message(url: str, exc: BaseException) -> str:
+    detail = hide_userinfo(str(exc)).splitlines()[0][:200].rstrip(". ")
+    return (
+        f"the host of Redis at {url} does not resolve ({detail}); retrying will not help. "
+        "Check the host name in the URL (its spelling; a name known only inside a container "
+        "or cluster network)"
     )
 
 
@@ -294,10 +374,16 @@ def _redis_module(name: str, asyncio: bool) -> Any:
 
 
 def _retry(asyncio: bool) -> Any:
+    """Resend after a dropped connection (refused, reset: it fails at once), never after a
+    timeout: a silent Redis would make every copy wait a whole socket timeout more, so one
+    call on it fails after one timeout (docs/operations.md, "A silent Redis")."""
     from redis.backoff import ExponentialBackoff
 
     retry = _redis_module(".retry", asyncio).Retry
-    return retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES)
+    return retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES, supported_errors=_RESENT)
+
+
+_RESENT = (rx.ConnectionError,)
 
 
 def _no_retry(asyncio: bool) -> Any:
@@ -316,9 +402,11 @@ def _hosts(netloc: str, default_port: int) -> list[tuple[str, int]]:
     return out
 
 
-def connect(url: str, *, asyncio: bool = False) -> Any:
+def connect(url: str, *, asyncio: bool = False, max_connections: int | None = None) -> Any:
     """Build a client for ``url``; raises ValueError naming the scheme if it is unknown, or
-    saying what cannot be parsed (never with the URL's credentials)."""
+    saying what cannot be parsed (never with the URL's credentials). ``max_connections``:
+    its pool's size (see :func:`pool_size`)."""
+    size = pool_size(max_connections)
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme not in SCHEMES:
         raise ValueError(
@@ -336,7 +424,7 @@ def connect(url: str, *, asyncio: bool = False) -> Any:
             "%40 for @)"
         )
     try:
-        return _connect(url, scheme, asyncio)
+        return _connect(url, scheme, asyncio, size)
     except _UrlError:
         raise
     except ValueError:  # urllib's or redis-py's message may quote part of a password
@@ -367,12 +455,16 @@ class _UrlError(ValueError):
     """A URL refused by this module, whose message is already free of credentials."""
 
 
-def _connect(url: str, scheme: str, asyncio: bool) -> Any:
+def _connect(url: str, scheme: str, asyncio: bool, size: int) -> Any:
     opts = dict(CLIENT_OPTIONS, decode_responses=True, retry=_retry(asyncio))
     if scheme in ("redis", "rediss", "unix"):
         url, credentials = _query_credentials(url)
-        client = _redis_module("", asyncio).Redis.from_url(url, **opts, **credentials)
+        pool = _waiting_pool(asyncio).from_url(
+            url, max_connections=size, timeout=POOL_WAIT, **opts, **credentials
+        )
+        client = _redis_module("", asyncio).Redis.from_pool(pool)
         return _packing(client, asyncio)
+    opts["max_connections"] = size  # sized; a Cluster's or Sentinel's pool does not wait
 
     parts = urlsplit(url)
     netloc = parts.netloc.rsplit("@", 1)[-1]
@@ -388,7 +480,7 @@ def _connect(url: str, scheme: str, asyncio: bool) -> Any:
                 startup_nodes=nodes, password=password, username=username, **opts
             )
         except (rx.RedisClusterException, rx.ConnectionError, rx.TimeoutError) as exc:
-            raise RedisUnavailable(unavailable_message(redact(url), exc)) from None
+            raise unavailable(redact(url), exc) from None
     path = [p for p in parts.path.split("/") if p]
     if not path:
         raise _UrlError(
@@ -412,6 +504,66 @@ def _connect(url: str, scheme: str, asyncio: bool) -> Any:
     return _packing(master, asyncio)
 
 
+def pool_size(max_connections: Any) -> int:
+    """The pool size for a balancer's ``max_connections`` (None: the default), checked."""
+    if max_connections is None:
+        return DEFAULT_MAX_CONNECTIONS
+    if isinstance(max_connections, bool) or not isinstance(max_connections, int):
+        raise TypeError(f"max_connections must be an int, got {type(max_connections).__name__}")
+    if max_connections < 2:
+        raise ValueError(
+            f"max_connections must be at least 2 (one connection is kept for the balancer's "
+            f"ordered writes), got {max_connections}"
+        )
+    return max_connections
+
+
+def pool_exhausted(size: int, waited: float | None) -> PoolExhausted:
+    """The error for a call that found no free connection in its pool."""
+    within = f" within {waited:g}s" if waited else ""
+    now = f"now {size}, " if size else ""
+    return PoolExhausted(
+        f"all {size or 'the'} connections of the balancer's pool were busy and none was free"
+        f"{within}: this process makes more concurrent calls than its pool holds, or Redis "
+        f"is slow to answer; Redis was not reported down. Raise the balancer's "
+        f"max_connections ({now}default {DEFAULT_MAX_CONNECTIONS}), or make fewer "
+        "calls at once",
+        size,
+    )
+
+
+@functools.cache
+def _waiting_pool(asyncio: bool) -> Any:
+    """redis-py's BlockingConnectionPool (sync or asyncio), raising PoolExhausted when its
+    wait runs out (redis-py says ConnectionError, which would read as an outage)."""
+    base: Any = _redis_module(".connection", asyncio).BlockingConnectionPool
+
+    def exhausted(pool: Any, exc: rx.ConnectionError) -> Exception:
+        if "No connection available" in str(exc):
+            return pool_exhausted(pool.max_connections, pool.timeout)
+        return exc
+
+    if asyncio:
+
+        async def get_async(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return await base.get_connection(self, *args, **kwargs)
+            except rx.ConnectionError as exc:
+                raise exhausted(self, exc) from None
+
+        get: Any = get_async
+    else:
+
+        def get_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return base.get_connection(self, *args, **kwargs)
+            except rx.ConnectionError as exc:
+                raise exhausted(self, exc) from None
+
+        get = get_sync
+    return type("WaitingConnectionPool", (base,), {"get_connection": get, "__module__": __name__})
+
+
 def _packing(client: Any, asyncio: bool) -> Any:
     """A client whose connections pack script calls with hiredis directly (see packing.py)."""
     pool = getattr(client, "connection_pool", None)
@@ -420,11 +572,20 @@ def _packing(client: Any, asyncio: bool) -> Any:
     return client
 
 
-def client_for(redis: Any, *, asyncio: bool) -> tuple[Any, str, bool]:
-    """(client, password-free description, whether we own it) for the balancer's ``redis=``."""
+def client_for(
+    redis: Any, *, asyncio: bool, max_connections: int | None = None
+) -> tuple[Any, str, bool]:
+    """(client, password-free description, whether we own it) for the balancer's ``redis=``;
+    ``max_connections``: the size of the pool of a client made from a URL."""
     if redis is None or isinstance(redis, str):
         url = resolve_url(redis)
-        return connect(url, asyncio=asyncio), redact(url), True
+        return connect(url, asyncio=asyncio, max_connections=max_connections), redact(url), True
+    if max_connections is not None:
+        pool_size(max_connections)
+        raise ValueError(
+            "max_connections sizes the pool of a client the balancer makes from a URL; a "
+            "redis client passed in keeps its own pool (size it where it is made)"
+        )
     if not callable(getattr(redis, "evalsha", None)):
         raise TypeError(
             "redis must be a URL string or a redis-py client "

@@ -8,6 +8,7 @@ balancer drives it with blocking calls, the asyncio one with awaits; nothing els
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 import os
@@ -18,7 +19,14 @@ from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from . import dp, engine, health, validation
-from .errors import ConfigMismatch, NoCapacity, NoServersAvailable, ReplicaEjected
+from .errors import (
+    BalancerClosed,
+    ConfigMismatch,
+    NoCapacity,
+    NoServersAvailable,
+    RedisUnavailable,
+    ReplicaEjected,
+)
 from .policy import RoutingPolicy, make_policy
 from .scoring import EngineScoring
 from .scoring import engine_scoring as engine_scoring_option
@@ -58,6 +66,9 @@ HINT = "?"
 # Before a request id: a release by replica only, hinting the process's own lease of that
 # request (release.lua, Which).
 BY_REPLICA = "\x1f"
+# Between the server ids of an acquire's exclusion (lib/acquiring.lua; ids hold no control
+# character).
+SEP = "\x1f"
 # Sticky sessions live in time buckets of sticky_ttl / STICKY_BUCKETS: a session expires between
 # sticky_ttl and sticky_ttl * (1 + 1 / STICKY_BUCKETS) after its last turn.
 STICKY_BUCKETS = 4
@@ -424,10 +435,36 @@ class BalancerCore:
         self.handles: dict[str, Any] = {}
         self._decoded: dict[str, Any] = {}
         self.policy = policy
+        # The keywords an acquire takes besides its own (wait, token...): the fields the
+        # policy reads, and group_id, which every acquire reads (see check_acquire).
+        self.accepted_fields = frozenset((*policy.acquire_fields, GROUP_FIELD))
+        # Set by the balancer's close(): it routes nothing more (see check_acquire).
+        self.closed = False
         self._acquire, self._release = policy.script, load("release")
         # Called before every acquire, whichever router's script it runs: the balancer starts
         # its keeper here, so no path can take a lease that nothing keeps alive.
         self.on_acquire: Callable[[], None] = _nothing
+
+    def check_acquire(self, fields: Mapping[str, Any]) -> None:
+        """Refuse an acquire, before anything is sent, once the balancer is closed
+        (BalancerClosed: its leases were ended and no keeper would keep a new one alive), or
+        when a keyword is not a field the policy reads (TypeError naming it: a mistyped
+        ``wait`` would otherwise be taken for a field and ignored)."""
+        if self.closed:
+            raise self.closed_error()
+        if fields and not self.accepted_fields.issuperset(fields):
+            unknown = sorted(k for k in fields if k not in self.accepted_fields)
+            raise TypeError(
+                f"unknown keyword(s) {unknown} for an acquire of balancer {self.name!r}: "
+                f"it takes wait= (acquire: token=; lease: renew_every=) and the request fields "
+                f"it reads (policy {self.policy.name!r}): {sorted(self.accepted_fields)}"
+            )
+
+    def closed_error(self) -> BalancerClosed:
+        return BalancerClosed(
+            f"balancer {self.name!r} was closed (its leases were ended and nothing keeps new "
+            "ones alive); create a new one"
+        )
 
     def new_holder(self) -> None:
         """Take a fresh holder id (at construction, and in a forked child: a child must not
@@ -458,6 +495,7 @@ class BalancerCore:
             "",  # waiting ticket: none
             self.engine,
             self.spread,
+            "",  # exclusion: none
         )
 
     # -- replies ---------------------------------------------------------------------------
@@ -484,6 +522,11 @@ class BalancerCore:
                 "(its declared capacity reached) or ejected, or earlier requests are waiting "
                 "for one; wait for a place (wait=seconds, or the balancer's wait_timeout), "
                 "retry later, or add replicas"
+            )
+        if text.startswith("NOSERVERS every replica accepting new sessions is excluded"):
+            return NoServersAvailable(
+                f"balancer {self.name!r}: every replica accepting new sessions was excluded "
+                "from this acquire (exclude=...): none is left to route the request to"
             )
         if text.startswith("NOSERVERS"):
             return NoServersAvailable(
@@ -572,16 +615,18 @@ class BalancerCore:
         *,
         args: Sequence[tuple[str, ...]] | None = None,
         ticket: str | None = None,
+        exclude: Sequence[str] = (),
     ) -> Op[list[Grant]]:
         """Route requests through the policy's script; ``fields`` (one mapping per request)
         become its per-request arguments, checked before anything is sent (``args``: those
         arguments, already made by :meth:`request_args`). ``ticket``: the waiting ticket
-        this call serves (see :meth:`enqueue`)."""
+        this call serves (see :meth:`enqueue`). ``exclude``: server ids (checked, see
+        validation.exclusion) that no request of the call may go to, sticky or new."""
         self.on_acquire()
         script, rand, policy = self._acquire, self._getrandbits, self.policy
         head = self._acquire_head
-        if ticket is not None:
-            head = (*head[:-3], ticket, *head[-2:])
+        if ticket is not None or exclude:
+            head = (*head[:11], ticket or "", head[12], head[13], SEP.join(exclude))
         n = len(request_ids)
         if fields is not None and len(fields) != n:
             raise ValueError(f"got {len(fields)} field sets for {n} request ids; give one each")
@@ -1083,3 +1128,164 @@ def probation_wait(limbo: float, listen: float) -> float:
     than the probation has left, nor than Redis may go unheard without it counting as a gap
     (which would extend the probation)."""
     return max(0.001, min(limbo + PROBATION_SLACK, listen or limbo))
+
+
+# -- after a refused acquire: reclaim, wait for an ejection's end, wait in the queue ---------
+# The decision is made once, here; each balancer drives it with its own I/O (a thread, or
+# the event loop): a step is a script Call, or one of these.
+
+
+class Attempt(NamedTuple):
+    """Run the acquire (for ``ticket``: the waiting ticket it serves) and send back its grants;
+    its NoCapacity (ReplicaEjected included) is thrown back in."""
+
+    request_ids: list[str]
+    tokens: list[str]
+    fields: Sequence[Mapping[str, Any]] | None
+    ticket: str | None = None
+    exclude: tuple[str, ...] = ()  # server ids the request must not go to
+
+
+class Pause(NamedTuple):
+    """Sleep ``seconds``."""
+
+    seconds: float
+
+
+class Block(NamedTuple):
+    """Wait at most ``timeout`` s for a push to ``key`` (BLPOP, bounded by health.BLOCK_MAX;
+    a failure only ends the wait early)."""
+
+    key: str
+    timeout: float
+
+
+Step = Call | Attempt | Pause | Block
+# An operation that also sleeps and acquires: its driver throws back each step's error.
+Admission = Generator[Step, Any, list[Grant]]
+
+
+class Steps:
+    """An Admission's steps, for its driver: ``for step in steps``, then set ``reply`` (or
+    ``error``, thrown back in) for each; ``result`` once done. Closes the operation on exit."""
+
+    def __init__(self, op: Admission) -> None:
+        self._op = op
+        self.reply: Any = None
+        self.error: BaseException | None = None
+        self.result: list[Grant] = []
+
+    def __iter__(self) -> Steps:
+        return self
+
+    def __next__(self) -> Step:
+        reply, error, self.reply, self.error = self.reply, self.error, None, None
+        try:
+            return self._op.send(reply) if error is None else self._op.throw(error)
+        except StopIteration as stop:
+            self.result = stop.value
+            raise StopIteration from None
+
+    def __enter__(self) -> Steps:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._op.close()
+
+
+def admit(
+    core: BalancerCore,
+    refused: NoCapacity,
+    request_ids: list[str],
+    fields: Sequence[Mapping[str, Any]] | None,
+    wait: float | None,
+    started: float,
+    tokens: list[str] | None = None,
+    exclude: tuple[str, ...] = (),
+) -> Admission:
+    """What follows an acquire refused with ``refused`` (NoCapacity or ReplicaEjected), made
+    at ``started`` (monotonic s), for the sync and asyncio balancers alike. A sticky session
+    whose replica is ejected waits for its return; a full pool first has the places of dead
+    processes reclaimed (once, whatever ``wait``: a dead holder's place is free), then waits
+    in the queue for at most ``wait`` s (None: the balancer's ``wait_timeout``)."""
+    budget = core.wait_timeout if wait is None else wait
+    deadline = started + budget
+    tokens = tokens or new_tokens(len(request_ids))
+    reclaimed = False
+    exc = refused
+    while True:
+        if isinstance(exc, ReplicaEjected):  # a sticky session waits for its replica's return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise exc
+            yield Pause(min(left, exc.seconds_left + EJECTION_SLACK))
+        else:
+            first, reclaimed = not reclaimed, True
+            if not (first and (yield from _reclaim_for_place(core))):
+                if budget <= 0:
+                    raise exc
+                return (
+                    yield from _wait_for_place(
+                        core, request_ids, tokens, fields, budget, deadline, exclude
+                    )
+                )
+        try:
+            grants: list[Grant] = yield Attempt(request_ids, tokens, fields, None, exclude)
+            return grants
+        except NoCapacity as again:
+            exc = again
+
+
+def _reclaim_for_place(core: BalancerCore) -> Generator[Step, Any, bool]:
+    """A refused acquire's first step: places held by dead processes are reclaimed now
+    (bounded work), and after a pause of Redis the probation of the processes unheard
+    during it is waited out (at most lease_ttl; calling meanwhile keeps Redis hearing this
+    process), so a restarted worker is not refused because of the leases its dead
+    predecessor left. True if any lease was reclaimed or a probation waited out (the acquire
+    is worth retrying)."""
+    reclaimed, limbo, listen = yield from core.reap_all(RECLAIM_CALLS)
+    waited = limbo > 0  # another process (or its own keeper) may reap meanwhile
+    until = time.monotonic() + core.lease_ttl
+    while reclaimed == 0 and limbo > 0 and time.monotonic() < until:
+        yield Pause(probation_wait(limbo, listen))
+        reclaimed, limbo, listen = yield from core.reap_all(RECLAIM_CALLS)
+    return reclaimed > 0 or waited
+
+
+def _wait_for_place(
+    core: BalancerCore,
+    request_ids: list[str],
+    tokens: list[str],
+    fields: Sequence[Mapping[str, Any]] | None,
+    budget: float,
+    deadline: float,
+    exclude: tuple[str, ...] = (),
+) -> Admission:
+    """Wait in the balancer's queue (FIFO across processes) until a replica takes the
+    requests: woken by a script's push to this waiter's key. Left (its ticket removed)
+    whatever ends the wait but a grant, a cancel included."""
+    ticket = new_token()
+    try:
+        yield from core.enqueue(ticket, max(0.0, deadline - time.monotonic()) + WAIT_SLACK)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise NoCapacity(
+                    f"balancer {core.name!r}: no replica could take the request within "
+                    f"{budget:g}s (every eligible one full or ejected); add replicas or "
+                    "wait longer"
+                )
+            yield Block(core.wake_key(ticket), left)
+            try:
+                grants: list[Grant] = yield Attempt(request_ids, tokens, fields, ticket, exclude)
+                return grants
+            except ReplicaEjected:
+                raise  # its replica was ejected meanwhile: it leaves the queue
+            except NoCapacity:
+                continue
+    except GeneratorExit:
+        raise  # closed by its driver: nothing can be sent any more
+    except BaseException:
+        with contextlib.suppress(RedisUnavailable):  # else the ticket expires by itself
+            yield from core.leave(ticket)
+        raise

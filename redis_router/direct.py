@@ -31,6 +31,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -148,6 +149,9 @@ class Pipe:
         not have, and goes again the ordinary way (every call is safe to resend)."""
         if isinstance(exc, rx.ResponseError):
             return None if unsent(exc) else self._refused(exc)  # else the script's refusal
+        if isinstance(exc, rx.TimeoutError):
+            # Redis was silent a whole socket timeout: a resend would wait as long again.
+            return self._refused(exc)
         if isinstance(exc, (rx.RedisError, OSError)):
             if self._resends:
                 return None
@@ -286,7 +290,9 @@ class _Replies(asyncio.Protocol):
         self._pipe, self._conn, self._old, self._reader = pipe, conn, old, reader
         self._timeout = timeout
         self._timer: asyncio.TimerHandle | None = None
-        self._heard = True  # a reply since the timer last looked
+        # Since when (monotonic) the oldest unanswered call has waited with nothing heard:
+        # its write, or the latest bytes to arrive after it.
+        self._since = 0.0
 
     @classmethod
     def install(cls, pipe: Pipe, conn: Any) -> _Replies | None:
@@ -314,7 +320,7 @@ class _Replies(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         reader = self._reader
         reader.feed(data)
-        self._heard = True
+        self._since = time.monotonic()
         while True:
             try:
                 reply = reader.gets()
@@ -326,21 +332,24 @@ class _Replies(asyncio.Protocol):
             self._pipe._replied(self._conn, reply)
 
     def written(self) -> None:
-        """A call was written: make sure someone notices if no reply comes."""
+        """A call was written: make sure someone notices if no reply comes within the
+        socket timeout (counted from its write, or from the last bytes heard after it)."""
+        if len(self._pipe._pending) == 1:  # nothing was waiting: the wait starts now
+            self._since = time.monotonic()
         if self._timer is None and self._timeout:
             loop = asyncio.get_running_loop()
-            self._heard = False
             self._timer = loop.call_later(self._timeout, self._look)
 
     def _look(self) -> None:
         self._timer = None
         pipe = self._pipe
-        if pipe._conn is not self._conn or not pipe._pending:
+        if pipe._conn is not self._conn or not pipe._pending or not self._timeout:
             return
-        if not self._heard:  # nothing arrived for a whole timeout with calls waiting
+        left = self._since + self._timeout - time.monotonic()
+        if left <= 0:  # nothing arrived for a whole timeout with calls waiting
             pipe._lost(self._conn, rx.TimeoutError("Timeout reading from socket"))
             return
-        self.written()
+        self._timer = asyncio.get_running_loop().call_later(left, self._look)
 
     def eof_received(self) -> bool | None:
         return False  # let the transport close: connection_lost follows

@@ -37,6 +37,27 @@ class RedisUnavailable(RedisRouterError, ConnectionError):
     password. Calls fail fast with this during an outage and work again once Redis is back."""
 
 
+class RedisConfigError(RedisRouterError):
+    """Redis refused this process's connection settings, or the URL names no host that
+    exists: a configuration error, which retrying cannot mend. Not a RedisUnavailable, so
+    callers that ride out an outage by retrying fail at once on this instead. The message
+    says what was refused and what to check, never the password."""
+
+
+class CredentialsRefused(RedisConfigError):
+    """Redis refused the URL's user name or password (a wrong password, an unknown or
+    disabled ACL user), or requires a password that the URL does not give."""
+
+
+class UnknownRedisHost(RedisConfigError):
+    """The URL's host name does not resolve (no such host in DNS)."""
+
+
+class BalancerClosed(RedisRouterError):
+    """The balancer was closed: its leases were ended and nothing keeps new ones alive, so
+    it routes nothing more. Create a new balancer."""
+
+
 class RedisOutOfMemory(RedisUnavailable):
     """Redis refused a write because it is out of memory (``used_memory`` above ``maxmemory``
     with ``maxmemory-policy noeviction``); the script that was refused wrote nothing, so a
@@ -58,3 +79,15 @@ class RouterConfigError(RedisRouterError, ValueError):
     ``router_class``, a module or class that cannot be found, or a class that does not
     implement :class:`~redis_router.RequestLoadBalancer`. The message names what was wrong and
     what to fix."""
+
+
+class PoolExhausted(RedisRouterError):
+    """Every connection of the balancer's pool stayed busy for the whole wait: the process
+    makes more concurrent calls than its pool holds (or a stalled Redis keeps them busy).
+    Not a RedisUnavailable: Redis may be healthy, and retrying as in an outage only adds
+    load. The message names the pool's size and how to raise it (``max_connections``);
+    ``max_connections`` is that size."""
+
+    def __init__(self, message: str, max_connections: int = 0) -> None:
+        super().__init__(message)
+        self.max_connections = max_connections

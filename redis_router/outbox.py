@@ -31,7 +31,7 @@ from redis import exceptions as rx
 
 from .connection import transient
 from .core import Call, Op
-from .errors import RedisUnavailable
+from .errors import PoolExhausted, RedisUnavailable
 
 log = logging.getLogger("redis_router")
 
@@ -140,6 +140,7 @@ class Outbox:
         self._reader: threading.Thread | None = None
         self._idle = True
         self._last_write = 0.0  # when the latest call was written (monotonic)
+        self._failed: BaseException | None = None  # why the connection last broke reading
         self._closed = False
         _open.add(self)
 
@@ -199,6 +200,8 @@ class Outbox:
             return True, exc
         self._drain()  # the earlier calls' replies come first
         if self._conn is not conn:  # the connection broke while reading them
+            if isinstance(self._failed, rx.TimeoutError):
+                return True, self._failed  # Redis is silent: not resent (see _exec)
             return True, rx.ConnectionError("the balancer's connection broke")
         try:
             return True, conn.read_response()
@@ -274,6 +277,8 @@ class Outbox:
             if conn is None:
                 conn = self._conn = _connection(self._pool)
             conn.send_packed_command(conn.pack_command(*command), check_health=False)
+        except PoolExhausted:  # sent the ordinary way, which waits its turn too
+            return False
         except _ERRORS:
             # Perhaps written: the resend (same operation id) is safe either way.
             self._broken()
@@ -297,7 +302,8 @@ class Outbox:
             else:
                 self._nudge()
             return
-        except _ERRORS:
+        except _ERRORS as exc:
+            self._failed = exc
             self._broken()
             return
         self._written.popleft()

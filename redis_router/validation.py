@@ -62,6 +62,22 @@ def server_ids(values: object, arg: str = "server_ids") -> list[str]:
     return [server_id(v, f"{arg}[{i}]") for i, v in enumerate(values)]
 
 
+def exclusion(values: object, arg: str = "exclude") -> tuple[str, ...]:
+    """Server ids an acquire must not route to (a set, list or tuple of them), each checked
+    as a server id, in order and once each; () for None."""
+    if values is None:
+        return ()
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(
+            f"{arg} must be a collection of server id strings (a set, list or tuple), got "
+            f"{type(values).__name__}"
+        )
+    out = tuple(dict.fromkeys(server_id(v, f"each server id in {arg}") for v in values))
+    if len(out) > MAX_BATCH:
+        raise ValueError(f"{arg} holds {len(out)} server ids; at most {MAX_BATCH}")
+    return out
+
+
 def request_ids(values: object, arg: str = "request_ids") -> list[str]:
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise TypeError(f"{arg} must be a list of request id strings, got {type(values).__name__}")

@@ -47,8 +47,10 @@ def test_off_by_default_declares_and_weighs_as_before(make_lb, r):
     lb = make_lb(TWO, cls=LeastTokensRouter)
     assert lb.require_acquire_fields() == ["prompt_ids"]
     assert lb.get_status()["policy"] == {"name": "least_tokens"}
-    # Without the option the field is not read: it weighs nothing.
-    lease = lb.acquire("x", prompt_ids=prompt(100), expected_output_tokens=500)
+    # Without the option the field is not read, so it is refused as any undeclared keyword.
+    with pytest.raises(TypeError, match=r"\['expected_output_tokens'\]"):
+        lb.acquire("x", prompt_ids=prompt(100), expected_output_tokens=500)
+    lease = lb.acquire("x", prompt_ids=prompt(100))
     assert record_weight(r, lb.name, lease.token) == 100
     assert LeastTokens().request_args({"prompt_ids": prompt(7)}) == ("7",)
     with pytest.raises(ValueError, match="prefill_weight applies only with remaining_work"):

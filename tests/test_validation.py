@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from redis_router import AsyncRedisLoadBalancer, RedisLoadBalancer, RedisUnavailable
 from redis_router.connection import redact
+from redis_router.errors import CredentialsRefused
 
 from . import invariants
 
@@ -193,7 +194,7 @@ def test_wrong_password_error_does_not_leak_it(binary):
 
     with LocalServer(binary, password="right-pass").start() as srv:
         url = f"redis://:wrong-pass-123@127.0.0.1:{srv.port}/0"
-        with pytest.raises(RedisUnavailable) as info:
+        with pytest.raises(CredentialsRefused) as info:  # a configuration error, no outage
             RedisLoadBalancer({"s0": "a"}, redis=url)
         assert "wrong-pass-123" not in str(info.value) and "right-pass" not in str(info.value)
         lb = RedisLoadBalancer({"s0": "a"}, redis=srv.url)

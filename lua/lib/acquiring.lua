@@ -138,7 +138,7 @@ local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
   if moved then stay = nil end
   if not (stay and redis.call('ZADD', LOAD, 'XX', 'INCR', '1', old)) then
     if not (stay and redis.call('ZADD', P .. 'draining', 'XX', 'INCR', '1', old)) then
-      local held = HOLD and old and admit().held(old, now)
+      local held = HOLD and old and not (EXCL and EXCL.set[old]) and admit().held(old, now)
       if held then return held end
       -- (engine-aware, the pick reads scores, not counts: no replica to pick is refused below)
       if not (ENGINE or LL.min) and not load_peek() then return admit().refused() end
@@ -198,7 +198,8 @@ end
 -- ARGV[9] group cap ("" = none), ARGV[10] group_by (only checked against the pinned one),
 -- ARGV[11] ejection settings (pinned; lib/health.lua), ARGV[12] waiting ticket ("" = none),
 -- ARGV[13] engine-aware scoring (pinned; lib/scoring.lua; "" = off), ARGV[14] spread_sessions
--- (pinned; "1" = new sessions' ties go to the replica with the fewest pinned sessions);
+-- (pinned; "1" = new sessions' ties go to the replica with the fewest pinned sessions),
+-- ARGV[15] exclusion (server ids joined by SEP, "" = none: lib/admission exclude());
 -- then `stride` arguments per request starting at ARGV[HEAD + 1]: request id, lease token,
 -- random integer, group id ("" = none), then the router's own from ARGV[i + OWN].
 -- `policy` is the routing policy's Lua side, a table of functions of the ARGV index i where a
@@ -212,7 +213,8 @@ end
 -- routed).
 -- Returns a flat array: per request, server id, JSON metadata, and 0 = balanced, 1 = sticky,
 -- 2 = retry of a granted token; or the error NOSERVERS or NOCAPACITY (refused; CONFIGMISMATCH:
--- this process's pinned settings are not the pinned ones) before anything is written.
+-- this process's pinned settings are not the pinned ones) before anything is written (a
+-- call whose exclusion leaves no replica to go to is refused alike: lib/admission refused()).
 -- Capacity: an acquire that fills a replica takes it off (filled), so no later pick, sticky
 -- or new, reaches it until a lease there ends; a batch's cached level (LL) and pool lookups
 -- forget it at once.
@@ -254,8 +256,15 @@ local function acquire_all(stride, policy)
     local refusal = admit().admission(now, stride)
     if refusal then return refusal end
   end
+  -- The caller's exclusion (lib/admission exclude()), once admission has put back what
+  -- returns; every return from here on puts the excluded replicas back first.
+  if ARGV[HEAD] ~= '' then
+    if ENGINE then scoring().level() end -- scores are made from the sets: made now, whole
+    admit().exclude(ARGV[HEAD])
+  end
   if #ARGV == HEAD + stride then
     local out = acquire_one(HEAD + 1, policy, now, cur, holder, width, ttl, span)
+    if EXCL then admit().readmit() end
     return TICKET and admit().served(out, now) or out
   end
 
@@ -307,8 +316,9 @@ local function acquire_all(stride, policy)
   -- A session held by its ejected replica (HOLD) refuses the whole batch, before any write.
   if HOLD then
     for j = 1, n do
-      local held = not recs[j] and sid[reqs[j]] and admit().held(sid[reqs[j]], now)
-      if held then return held end
+      local old = not recs[j] and sid[reqs[j]]
+      local held = old and not (EXCL and EXCL.set[old]) and admit().held(old, now)
+      if held then return admit().readmit(held) end
     end
   end
 
@@ -316,7 +326,9 @@ local function acquire_all(stride, policy)
   -- retry or sticky to a pool member (a draining one), before anything is written.
   if not load_peek() then
     for j = 1, n do
-      if not recs[j] and not (sid[reqs[j]] and pool(sid[reqs[j]])) then return admit().refused() end
+      if not recs[j] and not (sid[reqs[j]] and pool(sid[reqs[j]])) then
+        return admit().readmit(admit().refused())
+      end
     end
   end
 
@@ -464,5 +476,6 @@ local function acquire_all(stride, policy)
       if d ~= 0 then redis.call('HINCRBY', P .. 'pinned', id, int(d)) end
     end
   end
+  if EXCL then admit().readmit() end
   return TICKET and admit().served(out, now) or out
 end

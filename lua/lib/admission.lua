@@ -119,10 +119,30 @@ local function admit()
   -- An acquire that finds no replica for a request is refused with NOCAPACITY while some
   -- replica is full or ejected or a request waits (the caller may wait for one), or a batch
   -- needs more places than are free (`full`), else NOSERVERS; nothing of it is written.
+  -- With an exclusion (EXCL), a replica that is off counts only if it is not excluded
+  -- (waiting for an excluded one would never end in a place), and NOSERVERS says when
+  -- excluded replicas were all that took new sessions.
   function M.refused(full)
-    if full or redis.call('EXISTS', OFF, P .. 'waiters') > 0 then
+    local wait = full or redis.call('EXISTS', OFF, P .. 'waiters') > 0
+    if wait and EXCL and not full and redis.call('EXISTS', P .. 'waiters') == 0 then
+      wait = false
+      for _, id in ipairs(redis.call('ZRANGE', OFF, '0', '-1')) do
+        if not EXCL.set[id] then
+          wait = true
+          break
+        end
+      end
+    end
+    if wait then
       return redis.error_reply('NOCAPACITY every replica that could take the request is full '
         .. 'or ejected, or earlier requests are waiting for one')
+    end
+    if EXCL then
+      for _, b in ipairs(EXCL.back) do
+        if b[1] == LOAD then
+          return redis.error_reply('NOSERVERS every replica accepting new sessions is excluded')
+        end
+      end
     end
     return redis.error_reply('NOSERVERS no replica is accepting new sessions')
   end
@@ -199,6 +219,40 @@ local function admit()
     if fresh == 0 then return nil end
     if queued or (CAPS and M.room() < fresh) then return M.refused(true) end
     return nil
+  end
+
+  -- Exclusion (an acquire's ARGV[HEAD]: server ids joined by SEP; "" = none, the default,
+  -- which costs the acquire one comparison): replicas the call must not route to, new and
+  -- sticky requests alike (a caller's retry leaves out every replica that already failed the
+  -- request). They are set aside for the call: out of `load` and `draining` with their counts,
+  -- after admission and before any pick (EXCL), and put back unchanged by readmit() before
+  -- the script returns. Every policy's pick reads those sets, so none reaches them; a sticky
+  -- session on one is placed anew and pinned where it goes, as on an ejected replica under
+  -- ejected_sticky = 'move' (never held by 'wait': the caller asked for another replica). A
+  -- token already granted still returns its lease, wherever it is. I1 holds at every step.
+  function M.exclude(list)
+    local set, back = {}, {}
+    for id in string.gmatch(list, '[^\31]+') do
+      if not set[id] then
+        set[id] = true
+        for _, zs in ipairs({ LOAD, P .. 'draining' }) do
+          local c = redis.call('ZSCORE', zs, id)
+          if c then
+            redis.call('ZREM', zs, id)
+            back[#back + 1] = { zs, c, id }
+            break
+          end
+        end
+      end
+    end
+    EXCL = { set = set, back = back }
+  end
+
+  -- The excluded replicas back where they were, with their counts; returns `reply` (a
+  -- refusal made while they were aside).
+  function M.readmit(reply)
+    for _, b in ipairs(EXCL and EXCL.back or {}) do redis.call('ZADD', b[1], b[2], b[3]) end
+    return reply
   end
 
   -- The reply of a successful acquire that served the first waiter (TICKET): it leaves the

@@ -2,50 +2,10 @@
 -- prepends the lib/ parts a script names on its "-- uses:" line (this one always first); they
 -- read KEYS[1] only.
 --
--- Key schema (P = KEYS[1] = "rr:{NAME}:"; every key shares the hash tag {NAME}, I7):
---   P.."servers"        HASH  server id -> JSON metadata (the pool)
---   P.."load"           ZSET  server id -> in-flight count, replicas that take new sessions
---   P.."draining"       ZSET  server id -> in-flight count, replicas that only serve sticky ones
---   P.."held:"..id      ZSET  lease token -> acquired at (ms, Redis clock): leases on one replica
---   P.."leases"         HASH  lease token -> id.."\31"..request id.."\31"..holder, and
---                             .."\31"..weight for a weighed lease (a policy's request weight)
---   P.."byreq"          HASH  id.."\31"..request id -> lease tokens, space separated
---   P.."holders"        ZSET  holder -> deadline (ms): a holder (one balancer instance in one
---                             process) is alive while its heartbeats keep the deadline ahead
---   P.."owned:"..h      ZSET  lease token -> acquired or renewed at (ms): the leases of holder h
---   P.."remembered"     HASH  client-made operation ids of releases, packed: last three
---                             characters -> SEP..the rest of each id..SEP; P.."remembered:old"
---                             the generation before: a resent release finds its first copy
---                             here (lib/leases.lua; P.."released", P.."released:old", sets,
---                             and P.."ended", P.."ended:old", hashes: earlier clients')
---   P.."sticky:"..b     HASH  request id -> server id, sessions last seen in time bucket b
---   P.."stickyn:"..b    HASH  server id -> sessions in bucket b (expires with it)
---   P.."pinned"         HASH  server id -> live sticky sessions naming it, "@" -> the oldest
---                             bucket counted (lib/picking: new sessions' tie-break, I13)
---   P.."acquires", P.."sticky_hits", P.."reclaimed"   HASH  server id -> counter
---   P.."config"         HASH  settings every process must share (sticky_ttl_ms,
---                             affinity_margin, affinity_ratio, group_cap, group_by, ejection,
---                             engine, sticky_min_cached, spread; "" = off)
---   P.."repins"         HASH  server id -> sticky sessions moved off it by the affinity margin
---                             or because it no longer held their prompt (sticky_min_cached)
---   P.."group:"..b      HASH  group id -> server id.."\31"..members placed there in a row,
---                             groups last joined in time bucket b (expires as sticky:b does)
---   P.."weighted"       ZSET  server id -> sum of the weights of its leases (0 unless a policy
---                             weighs requests, e.g. by prompt tokens)
---   P.."capacity"       HASH  server id -> requests it can hold (declared; absent = no limit)
---   P.."escore", P.."eextra"  ZSET / HASH  engine-aware scores and what reports add to the
---                             counts (lib/scoring.lua; only while engine scoring is pinned);
---                             P.."wscore", P.."wextra" the same for least_tokens, in tokens
---   P.."off"            ZSET  server id -> in-flight count, replicas taking no acquire for now
---                             (full or ejected); P.."back" HASH id -> 'load' | 'draining'
---   P.."ejected", P.."eject_why", P.."fails", P.."ejections", P.."failures": lib/health.lua
---   P.."waiters", P.."waiting", P.."wake:"..ticket, P.."waitseq", P.."waitstats": waiting
---                             acquires (lib/leases.lua)
---   P.."clock"          HASH  when Redis last heard a heartbeat and the probation after a
---                             pause (liveness() below), when P.."remembered" began ("remembered")
---   P.."heal"           HASH  cursors of the repair pass (heal.lua)
---   P.."engine", P.."engine_at": what the engines report of their own load, and when
---                             (lib/engine.lua)
+-- Keys: P = KEYS[1] = "rr:{NAME}:" and a suffix, every key sharing the hash tag {NAME} (I7).
+-- Every suffix is listed once, with its type and content, in redis_router/keys.py (the key
+-- schema in docs/design.md and destroy.lua's list are generated from it; a test fails when a
+-- script names a key it lacks).
 -- Invariants (docs/design.md): I1 ZSCORE load|draining|off id == ZCARD held:id after every script,
 -- and ZSCORE weighted id == the sum of its leases' weights; I2 every lease is in its holder's
 -- owned set, every owned token is a lease, and a holder leaves P.."holders" only once it owns
@@ -59,11 +19,16 @@ local LOAD = P .. 'load' -- per call
 -- affinity ratio ("" = off), group cap (members, "" = none), group_by (pinned only),
 -- ejection settings (pinned, lib/health.lua; "" = off; ends in ' wait' for ejected_sticky =
 -- 'wait'), waiting ticket ("" = none), engine-aware scoring (pinned, lib/scoring.lua),
--- spread_sessions (pinned, lib/picking.lua; "1" = on, "" = off).
+-- spread_sessions (pinned, lib/picking.lua; "1" = on, "" = off), exclusion (server ids
+-- joined by SEP, "" = none: lib/acquiring.lua).
 -- Requests start at ARGV[HEAD + 1]; each has OWN core arguments (request id, lease token,
 -- random integer, group id or "") before a policy's own, which start at ARGV[i + OWN].
-local HEAD = 14
+local HEAD = 15
 local OWN = 4
+-- The replicas an acquire was told to leave out (ARGV[HEAD]), set aside for the call by
+-- lib/acquiring.lua: { set = id -> true, back = { {sorted set, count, id}, ... } }; nil (no
+-- exclusion, the default) costs the acquire nothing but one comparison.
+local EXCL = nil -- per call
 -- Hot path: a redis.call costs ~0.2 us, and turning a number into a string ~0.3 us (Lua's
 -- tostring and the server's "%.17g" both go through printf for doubles), against ~0.03 us
 -- for int() below. So the acquire and release paths pass integers through int(), constants

@@ -202,11 +202,11 @@ local function scoring()
   end
 
   -- A replica of least score in `zs`, uniformly among ties (rand: the client's integer);
-  -- `ensure` makes the scores when they do not exist yet. While nothing drains or is off,
-  -- every scored replica takes new sessions: the lowest level is counted and indexed as
-  -- picking.lua does with counts, three calls at most.
+  -- `ensure` makes the scores when they do not exist yet. While nothing drains, is off or is
+  -- excluded (lib/acquiring), every scored replica takes new sessions: the lowest level is
+  -- counted and indexed as picking.lua does with counts, three calls at most.
   local function least_of(rand, zs, ensure)
-    if redis.call('EXISTS', P .. 'draining', P .. 'off') == 0 then
+    if not EXCL and redis.call('EXISTS', P .. 'draining', P .. 'off') == 0 then
       local top = redis.call('ZRANGE', zs, 0, 0, 'WITHSCORES')
       if not top[1] then -- none yet: made from the pool, then read again
         ensure()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -18,8 +19,17 @@ from typing import Any, NamedTuple
 from redis import exceptions as rx
 
 from ..connection import DEFAULT_URL, hide_userinfo, scrub
-from ..errors import RedisRouterError, RedisUnavailable
-from .common import CliError, Terminated, one_line, stop_on_sigterm, unreachable, url_of
+from ..errors import RedisConfigError, RedisRouterError, RedisUnavailable
+from .common import (
+    EX_CONFIG,
+    CliConfigError,
+    CliError,
+    Terminated,
+    one_line,
+    stop_on_sigterm,
+    unreachable,
+    url_of,
+)
 
 
 class Command(NamedTuple):
@@ -34,6 +44,7 @@ class Command(NamedTuple):
         return getattr(loaded, name) if name else loaded
 
 
+DISTRIBUTION = "llm-redis-router"  # pyproject.toml's [project] name
 PRIVATE_SERVER = "a private server started for the run and removed afterwards"
 
 # Adding a subcommand is one entry here plus its code. status and exporter only read.
@@ -112,6 +123,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         epilog="Run `redis-router COMMAND --help` for a command's options.",
     )
     _add_globals(parser, suppress=False)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = _chosen_command(argv)
     for name, cmd in COMMANDS.items():
@@ -124,11 +136,23 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     return parser
 
 
-def _fail(message: str, url: str) -> int:
+def version() -> str:
+    """The installed distribution's version (the package's own when run from a checkout)."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        from .. import __version__
+
+        return __version__
+
+
+def _fail(message: str, url: str, status: int = 1) -> int:
     """Print the error as one line, every credential of ``url`` replaced, should a message
-    quote one (a URL in it is already redacted)."""
-    print(f"redis-router: error: {scrub(one_line(message), url)}", file=sys.stderr)
-    return 1
+    quote one (a URL in it is already redacted); a configuration error says so and exits
+    EX_CONFIG."""
+    kind = "configuration error: " if status == EX_CONFIG else ""
+    print(f"redis-router: error: {kind}{scrub(one_line(message), url)}", file=sys.stderr)
+    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -148,11 +172,14 @@ def exit_code(run: Callable[[], int], url: str) -> int:
         return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
+    except (CliConfigError, RedisConfigError) as exc:  # no retry can help: exit EX_CONFIG
+        return _fail(str(exc), url, EX_CONFIG)
     except CliError as exc:
         return _fail(str(exc), url)
     except RedisUnavailable as exc:  # its message already names the (redacted) URL
         return _fail(str(exc), url)
     except (rx.ConnectionError, rx.TimeoutError) as exc:
-        return _fail(str(unreachable(url, exc)), url)
+        error = unreachable(url, exc)
+        return _fail(str(error), url, EX_CONFIG if isinstance(error, CliConfigError) else 1)
     except (RedisRouterError, rx.RedisError, ValueError, TypeError, OSError) as exc:
         return _fail(hide_userinfo(str(exc)), url)

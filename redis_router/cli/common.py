@@ -15,9 +15,9 @@ from typing import Any, NamedTuple
 from redis import exceptions as rx
 
 from .. import dp, health, validation
-from ..connection import connect, redact, resolve_url, send_failure, unavailable_message
+from ..connection import config_error, connect, redact, resolve_url, send_failure, unavailable
 from ..core import OPTION_DEFAULTS, BalancerCore, Call, Op, T, build_core
-from ..errors import RedisUnavailable
+from ..errors import RedisConfigError, RedisUnavailable
 from ..invoke import Sender
 from ..policy import LeastLoaded
 from ..scoring import EngineScoring
@@ -25,6 +25,16 @@ from ..scoring import EngineScoring
 
 class CliError(Exception):
     """A failure the user can act on: printed as one line, exit status 1."""
+
+
+class CliConfigError(CliError):
+    """A configuration error (Redis refused the credentials, the host does not resolve):
+    printed as one line, exit status :data:`EX_CONFIG`."""
+
+
+# sysexits.h's EX_CONFIG: a configuration error, so a script or supervisor can tell it from
+# an outage (exit status 1) and not retry it.
+EX_CONFIG = 78
 
 
 class Terminated(KeyboardInterrupt):
@@ -72,6 +82,10 @@ def servers_key(name: str) -> str:
 
 
 def unreachable(url: str, exc: Exception) -> CliError:
+    """The CliError for a failure to reach Redis: a CliConfigError when no retry can help."""
+    wrong = config_error(redact(url), exc)
+    if wrong is not None:
+        return CliConfigError(str(wrong))
     return CliError(f"cannot reach Redis at {redact(url)}: {one_line(str(exc))}")
 
 
@@ -127,7 +141,7 @@ class Balancer:
         try:
             return command(*args)
         except (rx.ConnectionError, rx.TimeoutError) as exc:
-            raise RedisUnavailable(unavailable_message(self.url, exc)) from None
+            raise unavailable(self.url, exc) from None
 
     def core(self, sticky_ttl: float | None = None) -> BalancerCore:
         """A core with this sticky_ttl (it sizes the sticky buckets that status searches);
@@ -202,6 +216,8 @@ def open_balancer(args: Any, *, create: bool = False) -> Iterator[Balancer]:
             raise unreachable(url, exc) from None
         except RedisUnavailable as exc:
             raise CliError(str(exc)) from None
+        except RedisConfigError as exc:
+            raise CliConfigError(str(exc)) from None
     finally:
         client.close()
 

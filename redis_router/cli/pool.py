@@ -91,6 +91,7 @@ def _servers(args: argparse.Namespace) -> int:
 
 
 def _add(args: argparse.Namespace) -> int:
+    validation.server_id(args.id, "replica id")  # named as the command line names it
     meta = _parse_meta(args.meta)
     with open_balancer(args, create=True) as b:
         capacity = None if args.capacity is None else {args.id: args.capacity}

@@ -29,9 +29,10 @@ GENERATION_PATHS = (CHAT, COMPLETIONS, GENERATE)
 DEFAULT_SESSION_HEADER = "X-Session-ID"
 REQUEST_ID_HEADER = "X-Request-Id"
 GROUP_HEADER = "X-Group-ID"
-# Attempt k > 0 of a request runs under "<id>~r<k>": a new id, so that it is balanced anew
-# (the first attempt's sticky entry names the replica that failed), and one an abort can
-# still find (see retry_ids).
+# Earlier versions ran attempt k > 0 of a request under "<id>~r<k>", to balance it anew away
+# from the replica that failed; retries now keep the id and exclude the replicas that failed
+# (acquire(exclude=...)), and an abort still looks for those ids (see retry_ids) while such
+# instances share the balancer.
 RETRY_MARK = "~r"
 MAX_RETRIES = 10
 # Room left in a request id (512 bytes) for the retry mark.
@@ -178,7 +179,8 @@ fresh_id = _Ids()
 
 
 def retry_ids(request_id: str, retries: int) -> list[str]:
-    """The balancer request ids of a request's attempts: its own, then one per retry."""
+    """The balancer request ids a request's attempts may hold: its own, then those earlier
+    versions gave their retries."""
     return [request_id] + [f"{request_id}{RETRY_MARK}{k}" for k in range(1, retries + 1)]
 
 

@@ -7,13 +7,14 @@ one. A request costs one acquire, one upstream request and one release; the rele
 after the response's last byte, in the background, and at once when the client goes away.
 
 Failure rules: an upstream connection error (or a broken answer) before any byte reached the
-client reports a failure (``release(failed=True)``: passive ejection) and retries: under the
-same request id when the failure ejected the replica (a session moves for good), else under
-``<id>~r<k>``, acquired while the failed replica holds one lease more, so least-loaded
-prefers the others; ``--upstream-timeout`` running out is reported too, and answered
-504, not retried; an upstream 5xx is passed through and reported as a failure; a full pool
-waits as the balancer's ``wait_timeout`` says, then is a 503 with ``Retry-After``; an empty
-pool is a 503; a malformed request is a 400 and takes no lease.
+client reports a failure (``release(failed=True)``: passive ejection) and retries under the
+same request id, excluding every replica that failed it (``acquire(exclude=...)``, atomic in
+the acquire: a session moves to the replica that answers), and is answered 502 once the
+retries are spent or no other replica takes new sessions; ``--upstream-timeout`` running out
+is reported too, and answered 504, not retried; an upstream 5xx is passed through and
+reported as a failure; a full pool waits as the balancer's ``wait_timeout`` says, then is a
+503 with ``Retry-After``; an empty pool is a 503; a malformed request is a 400 and takes no
+lease.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from .handlers import (
     forward_headers,
     pass_headers,
 )
-from .routing import GENERATION_PATHS, RETRY_MARK, BadRequest, Route, replica_url, route_request
+from .routing import GENERATION_PATHS, BadRequest, Route, replica_url, route_request
 
 __all__ = ["Front", "ServeOptions", "running"]
 
@@ -143,14 +144,19 @@ class Front(Handlers):
         why = "no attempt"
         try:
             for k in range(self.options.retries + 1):
-                if failed is not None:  # reported first: an ejection it causes moves the id
+                if failed is not None:  # reported first: it counts toward ejecting it
                     avoid.add(failed.server_id)
                     reported, failed = failed, None
                     with contextlib.suppress(RedisUnavailable):  # the acquire will say so
                         await reported.fail()
                 try:
-                    lease = await self._acquire(route.request_id, k, fields, avoid)
+                    lease = await self.balancer.acquire(
+                        route.request_id, wait=self.options.wait, exclude=avoid or None, **fields
+                    )
                 except (NoServersAvailable, RedisUnavailable) as exc:
+                    if avoid and type(exc) is NoServersAvailable:  # each one left failed it
+                        why += "; no other replica takes new sessions"
+                        break
                     return self._unavailable(path, exc)
                 except ConfigMismatch as exc:  # settings pinned anew since this one started
                     return self.error(path, 500, str(exc), "config_mismatch")
@@ -199,28 +205,13 @@ class Front(Handlers):
         finally:
             if failed is not None:
                 failed.fail()  # queued now, answered in the background
-        attempts = self.options.retries + 1
+        attempts = len(avoid) + (failed is not None)
         return self.error(
             path,
             502,
             f"no replica answered in {attempts} attempt(s); last: {why}",
             "upstream_error",
         )
-
-    async def _acquire(
-        self, request_id: str, attempt: int, fields: Mapping[str, Any], avoid: set[str]
-    ) -> AsyncLease:
-        """The lease of one attempt. A retry whose id is still sticky to a replica that failed
-        (not ejected) runs under ``<id>~r<attempt>``, acquired while that replica holds one
-        lease more, so that least-loaded prefers the others."""
-        lease = await self.balancer.acquire(request_id, wait=self.options.wait, **fields)
-        if lease.server_id not in avoid:
-            return lease
-        try:
-            retry = f"{request_id}{RETRY_MARK}{attempt}"
-            return await self.balancer.acquire(retry, wait=self.options.wait, **fields)
-        finally:
-            lease.release()  # queued now, answered in the background
 
     async def _send(
         self, method: str, url: str, raw: bytes, headers: CIMultiDict[str]

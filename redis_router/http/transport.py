@@ -15,8 +15,10 @@ response is closed (httpx closes it once read; a stream when the ``with`` block 
 the release is queued then, not waited for (the balancer answers it in the background, ahead
 of its later calls, and its ``close()`` waits for it); a 5xx or a broken body releases it as
 failed; a connection error before the response is
-reported as a failure and retried on another replica, up to ``retries`` (a timeout is
-reported and raised as httpx raises it, not retried). A full or empty pool
+reported as a failure and retried on another replica, up to ``retries``, each retry excluding
+every replica that failed the request (``acquire(exclude=...)``; 502 once the retries are
+spent or no other replica takes new sessions; a timeout is reported and raised as httpx
+raises it, not retried). A full or empty pool
 is answered 503 with ``Retry-After``, as the server does.
 """
 
@@ -40,7 +42,6 @@ from ..errors import (
 )
 from .routing import (
     DEFAULT_SESSION_HEADER,
-    RETRY_MARK,
     BadRequest,
     Route,
     SessionRule,
@@ -109,9 +110,9 @@ def _unavailable(exc: Exception) -> httpx.Response:
     return _answer(503, str(exc), kind, headers={"Retry-After": wait})
 
 
-def _exhausted(retries: int, why: str) -> httpx.Response:
+def _exhausted(attempts: int, why: str) -> httpx.Response:
     return _answer(
-        502, f"no replica answered in {retries + 1} attempt(s); last: {why}", "upstream_error"
+        502, f"no replica answered in {attempts} attempt(s); last: {why}", "upstream_error"
     )
 
 
@@ -147,15 +148,20 @@ class AsyncRouterTransport(httpx.AsyncBaseTransport):
         avoid: set[str] = set()
         why = "no attempt"
         try:
-            for k in range(rules.retries + 1):
-                if failed is not None:  # reported first: an ejection it causes moves the id
+            for _ in range(rules.retries + 1):
+                if failed is not None:  # reported first: it counts toward ejecting it
                     avoid.add(failed.server_id)
                     reported, failed = failed, None
                     with contextlib.suppress(RedisUnavailable):
                         await reported.fail()
                 try:
-                    lease = await self._acquire(route.request_id, k, fields, avoid)
+                    lease = await rules.balancer.acquire(
+                        route.request_id, exclude=avoid or None, **fields
+                    )
                 except (NoServersAvailable, RedisUnavailable) as exc:
+                    if avoid and type(exc) is NoServersAvailable:  # each one left failed it
+                        why += "; no other replica takes new sessions"
+                        break
                     return _unavailable(exc)
                 except ConfigMismatch as exc:
                     return _answer(500, str(exc), "config_mismatch")
@@ -191,21 +197,7 @@ class AsyncRouterTransport(httpx.AsyncBaseTransport):
         finally:
             if failed is not None:
                 failed.fail()  # queued now, answered in the background
-        return _exhausted(rules.retries, why)
-
-    async def _acquire(
-        self, request_id: str, attempt: int, fields: dict[str, Any], avoid: set[str]
-    ) -> Any:
-        """See Front._acquire: a retry still sticky to a failed replica runs under
-        ``<id>~r<attempt>`` while that replica holds one lease more."""
-        acquire = self._rules.balancer.acquire
-        lease = await acquire(request_id, **fields)
-        if lease.server_id not in avoid:
-            return lease
-        try:
-            return await acquire(f"{request_id}{RETRY_MARK}{attempt}", **fields)
-        finally:
-            lease.release()  # queued now, answered in the background
+        return _exhausted(len(avoid) + (failed is not None), why)
 
     async def aclose(self) -> None:
         """Close the inner transport (the balancer is the caller's to close)."""
@@ -245,15 +237,20 @@ class RouterTransport(httpx.BaseTransport):
         avoid: set[str] = set()
         why = "no attempt"
         try:
-            for k in range(rules.retries + 1):
+            for _ in range(rules.retries + 1):
                 if failed is not None:
                     avoid.add(failed.server_id)
                     reported, failed = failed, None
                     with contextlib.suppress(RedisUnavailable):
                         reported.fail()
                 try:
-                    lease = self._acquire(route.request_id, k, fields, avoid)
+                    lease = rules.balancer.acquire(
+                        route.request_id, exclude=avoid or None, **fields
+                    )
                 except (NoServersAvailable, RedisUnavailable) as exc:
+                    if avoid and type(exc) is NoServersAvailable:
+                        why += "; no other replica takes new sessions"
+                        break
                     return _unavailable(exc)
                 except ConfigMismatch as exc:
                     return _answer(500, str(exc), "config_mismatch")
@@ -289,19 +286,7 @@ class RouterTransport(httpx.BaseTransport):
         finally:
             if failed is not None:
                 failed.fail()
-        return _exhausted(rules.retries, why)
-
-    def _acquire(
-        self, request_id: str, attempt: int, fields: dict[str, Any], avoid: set[str]
-    ) -> Any:
-        acquire = self._rules.balancer.acquire
-        lease = acquire(request_id, **fields)
-        if lease.server_id not in avoid:
-            return lease
-        try:
-            return acquire(f"{request_id}{RETRY_MARK}{attempt}", **fields)
-        finally:
-            lease.release()
+        return _exhausted(len(avoid) + (failed is not None), why)
 
     def close(self) -> None:
         self._inner.close()

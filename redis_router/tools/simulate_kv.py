@@ -294,6 +294,8 @@ def run(url: str, workload: str, router: str, clients: int, seed: int, p: Params
     """One (workload, router, clients) in virtual time; every key it made is deleted."""
     name = f"kvsim-{secrets.token_hex(3)}"
     lbs = _routers(url, name, router, clients, seed, p)
+    # the prompt goes only to a policy that reads it (an undeclared field is refused)
+    wants_prompt = bool(lbs) and "prompt_ids" in lbs[0].require_acquire_fields()
     client = redis.Redis.from_url(url)
     index = KVIndex(client, name, stale=max(10.0, 30 / p.speed))
     replicas = {sid: Replica(p.cache_blocks) for sid in _servers()}
@@ -387,7 +389,8 @@ def run(url: str, workload: str, router: str, clients: int, seed: int, p: Params
                 if turn.bypass:
                     sid = f"r{random.Random(f'{turn.rid}:away').randrange(REPLICAS)}"
                 elif lbs:
-                    sid, _ = lbs[job.client].acquire_server(turn.rid, prompt_ids=prompt)
+                    fields = {"prompt_ids": prompt} if wants_prompt else {}
+                    sid, _ = lbs[job.client].acquire_server(turn.rid, **fields)
                 elif turn.rid in pinned and not (
                     evict_aware
                     and replicas[pinned[turn.rid]].cached(hashes) < MIN_CACHED * len(hashes)
