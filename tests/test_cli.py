@@ -403,6 +403,7 @@ os._exit(0)  # dies holding its leases, without releasing or closing
 """
 
 
+@pytest.mark.slow
 def test_reap_reclaims_the_leases_of_a_dead_worker(server, make_lb, r):
     lb = make_lb(SERVERS)
     subprocess.run([sys.executable, "-c", DIES_HOLDING, server.url, lb.name], check=True)

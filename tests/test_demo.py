@@ -101,7 +101,7 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path: Path):
     proc = demo("--redis", "redis://127.0.0.1:1/0", "demo", "--plot", "x.png", env=env)
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == [
-        "redis-router: error: --plot needs matplotlib: pip install 'llm-redis-router[plot]'"
+        "redis-router: error: --plot needs matplotlib: pip install matplotlib"
     ]
 
 

@@ -9,6 +9,7 @@ import functools
 import importlib.util
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,13 @@ from redis_router.local_server import first_server_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+
+
+def section(heading: str, text: str = README) -> str:
+    """The README section under ``heading`` (a line starting ``## ``), up to the next one."""
+    start = text.index(f"\n{heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
 
 
 def readme_commands() -> list[str]:
@@ -45,6 +53,20 @@ def test_ci_runs_the_readme_commands_exactly_as_written_each_in_a_fresh_venv():
         assert f"fresh_venv {venv}" in stripped[:opened], venv
     # The README's test venv installs what the README says, and nothing heavy besides.
     assert "pip install -e '.[test]' && python -m pytest" in readme_commands()
+    # Then the exhaustive tier, as the README's Tests section writes it, in that same venv.
+    tests = section("## Tests")
+    exhaustive = next(
+        line.split("  #")[0].strip()
+        for line in re.search(r"```bash\n(.*?)```", tests, flags=re.S).group(1).splitlines()
+        if "--tier exhaustive" in line
+    )
+    assert exhaustive == "python -m pytest --tier exhaustive", exhaustive
+    assert exhaustive in stripped, f".ci/run does not run the README's {exhaustive!r}"
+    at = stripped.index(exhaustive)
+    assert at > stripped.index("pip install -e '.[test]' && python -m pytest")
+    assert (
+        stripped[at + 1] == ")" and "source .venv-readme-test/bin/activate" in stripped[at - 3 : at]
+    )
     text = "\n".join(run)
     for lint in ("ruff format --check .", "ruff check .", "mypy --strict redis_router"):
         assert lint in stripped, lint
@@ -99,7 +121,7 @@ def test_every_cli_subcommand_is_in_the_operators_guide():
     assert set(sub.choices) == set(cli.COMMANDS)
     missing = [name for name in sub.choices if f"| `{name}" not in OPERATORS]
     assert missing == [], f"docs/operators.md's command table lacks {missing}"
-    operating = README[README.index("## Operating it") : README.index("## Plugins and verl")]
+    operating = section("## Operating it")
     missing = [name for name in sub.choices if f"`{name}" not in operating]
     assert missing == [], f"the README's command list lacks {missing}"
 
@@ -162,7 +184,7 @@ def test_the_readme_api_sketch_has_the_real_signatures():
     """Names, order and the keyword-only marker of every parameter the sketch spells out."""
     import inspect
 
-    sketch = README[README.index("## API") : README.index("## Key schema")]
+    sketch = section("## API at a glance")
     sketch = sketch[
         sketch.index("```python") : sketch.index("```\n", sketch.index("```python") + 9)
     ]
@@ -194,3 +216,80 @@ def test_help_says_what_each_command_does_without_a_url(capsys):
         private = name in ("demo", "simulate")
         assert ("else a private server started for the run" in text) is private, name
         assert ("else redis://localhost:6379/0" in text) is not private, name
+
+
+def test_the_readme_is_short_enough_to_read_to_the_end():
+    """What it is, install, quick start, the API at a glance, links; the rest lives in docs/."""
+    assert len(README.splitlines()) <= 300
+
+
+def test_the_quick_tier_runs_a_test_of_every_test_file():
+    """``python -m pytest`` (the quick tier) still reaches every module: each test file that
+    collects any test has at least one in the quick tier; and the tiers do not overlap."""
+
+    def collect(*args: str) -> set[str]:
+        command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+        out = subprocess.run(
+            [*command, *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        return {line for line in out.stdout.splitlines() if "::" in line}
+
+    quick, rest = collect(), collect("--tier", "exhaustive")
+    assert quick and not quick & rest
+    files = {item.split("::")[0] for item in quick | rest}
+    missing = sorted(f for f in files if not any(i.startswith(f + "::") for i in quick))
+    assert missing == [], f"no test of these files runs in the quick tier: {missing}"
+
+
+# `pip install ARGS` wherever a page or CI tells someone to run it.
+PIP_INSTALL = re.compile(r"pip install ([^`\n&;|#)]*)")
+TAKES_A_VALUE = {"-r", "-c", "-t", "-i", "-f", "--target", "--index-url", "--extra-index-url"}
+OURS = {"llm-redis-router", "redis-router"}  # published on no index (PyPI's is another project)
+
+
+def _install_targets(args: str) -> list[str]:
+    try:
+        words = shlex.split(args)
+    except ValueError:  # a quote the excerpt cut
+        words = args.replace("'", " ").replace('"', " ").split()
+    targets, skip = [], False
+    for word in words:
+        if skip or word in TAKES_A_VALUE:
+            skip = not skip
+            continue
+        if not word.startswith("-"):
+            targets.append(word)
+    return targets
+
+
+def test_every_install_line_installs_from_a_checkout_or_a_built_wheel():
+    """This project is not on the package index: an install line naming it by name fails on a
+    fresh machine. Each, in the docs, CI and the library's messages, must install a local path
+    (`-e .`, a checkout), the wheel that `python -m build --wheel` writes (its version the
+    project's), or the published packages an extra stands for."""
+    version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert version
+    wheel = f"dist/llm_redis_router-{version[1]}-py3-none-any.whl"
+    pages = [ROOT / "README.md", ROOT / ".ci" / "run", *sorted((ROOT / "docs").glob("*.md"))]
+    pages += sorted((ROOT / "redis_router").rglob("*.py")) + sorted(ROOT.glob("benchmarks/*.py"))
+    offenders, wheels = [], 0
+    for page in pages:
+        for m in PIP_INSTALL.finditer(page.read_text()):
+            for target in _install_targets(m[1]):
+                if "llm_redis_router-" in target:
+                    wheels += 1
+                    if not target.startswith(wheel):
+                        offenders.append(f"{page.name}: {target} (the wheel built is {wheel})")
+                    continue
+                name = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", target)
+                local = target.startswith((".", "/", "$", "~")) or "@" in target
+                if name and not local and name[0].lower().replace("_", "-") in OURS:
+                    offenders.append(f"{page.name}: pip install {m[1].strip()}")
+    assert offenders == []
+    assert wheels >= 2  # the README's install section and verl.md's
+    assert "python -m build --wheel" in section("## Install")

@@ -174,8 +174,8 @@ def test_exporter_without_prometheus_client_names_the_extra(tmp_path: Path):
     )
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == [
-        "redis-router: error: the exporter needs prometheus_client: "
-        "pip install 'llm-redis-router[metrics]'"
+        "redis-router: error: the exporter needs prometheus_client (the metrics extra): "
+        "pip install prometheus_client"
     ]
 
 

@@ -26,6 +26,7 @@ from redis_router.local_server import LocalServer
 from .fuzzing import BalancerMachine, Stats, fuzz_server, needs_server
 
 MIN_OPERATIONS = 10_000
+SHORT_OPERATIONS = 200
 
 pytestmark = needs_server
 __all__ = ["fuzz_server"]
@@ -36,11 +37,14 @@ class CoreMachine(BalancerMachine):
     name_prefix = "fz"
 
 
-def run_machine(machine: type[BalancerMachine], url: str, operations: int) -> Stats:
-    """Run sequences of ``machine`` until ``operations`` balancer calls were made."""
+def run_machine(
+    machine: type[BalancerMachine], url: str, operations: int, *, examples: int = 10
+) -> Stats:
+    """Run sequences of ``machine`` (``examples`` per round) until ``operations`` balancer
+    calls were made."""
     machine.url, machine.stats = url, Stats()
     options = settings(
-        max_examples=10,
+        max_examples=examples,
         stateful_step_count=150,
         deadline=None,
         database=None,
@@ -52,17 +56,27 @@ def run_machine(machine: type[BalancerMachine], url: str, operations: int) -> St
     return machine.stats
 
 
-@pytest.mark.slow
+# The quick tier runs a short fuzz (a few sequences); the exhaustive tier the full one, long
+# enough that every kind of fault has happened.
+LENGTHS = [
+    pytest.param((SHORT_OPERATIONS, 2), id="short"),
+    pytest.param((MIN_OPERATIONS, 10), id="full", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("length", LENGTHS)
 def test_processes_sharing_a_balancer_never_diverge_from_the_model(
-    fuzz_server: LocalServer,
+    fuzz_server: LocalServer, length: tuple[int, int]
 ) -> None:
+    operations, examples = length
     t0 = time.monotonic()
-    stats = run_machine(CoreMachine, fuzz_server.url, MIN_OPERATIONS)
+    stats = run_machine(CoreMachine, fuzz_server.url, operations, examples=examples)
     print(f"\nfuzz on {fuzz_server.binary.label}: {stats.line()}, {time.monotonic() - t0:.1f}s")
-    assert stats.operations >= MIN_OPERATIONS
-    assert stats.deaths and stats.closes and stats.reclaimed and stats.pauses
-    assert stats.resent and stats.drops and stats.kills
-    assert stats.ejections and stats.capped and stats.full
+    assert stats.operations >= operations
+    if operations >= MIN_OPERATIONS:
+        assert stats.deaths and stats.closes and stats.reclaimed and stats.pauses
+        assert stats.resent and stats.drops and stats.kills
+        assert stats.ejections and stats.capped and stats.full
 
 
 # -- ids -------------------------------------------------------------------------------------

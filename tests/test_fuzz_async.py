@@ -33,7 +33,7 @@ from .fuzzing import (
     needs_server,
 )
 from .model import Model, NoServers
-from .test_fuzz import run_machine
+from .test_fuzz import LENGTHS, run_machine
 
 MIN_OPERATIONS = 2_500
 
@@ -252,15 +252,16 @@ def _released(
     return models
 
 
-@pytest.mark.slow
+@pytest.mark.parametrize("length", LENGTHS)
 def test_coalesced_asyncio_calls_equal_sequential_ones_in_the_model(
-    fuzz_server: LocalServer,
+    fuzz_server: LocalServer, length: tuple[int, int]
 ) -> None:
+    operations, examples = length
     t0 = time.monotonic()
-    stats = run_machine(AsyncMachine, fuzz_server.url, MIN_OPERATIONS)
+    stats = run_machine(AsyncMachine, fuzz_server.url, operations, examples=examples)
     took = time.monotonic() - t0
     print(f"\nasync fuzz on {fuzz_server.binary.label}: {stats.line()}, {took:.1f}s")
-    assert stats.operations >= MIN_OPERATIONS and stats.batches
+    assert stats.operations >= operations and stats.batches
 
 
 async def _awaited(post: Any, *args: Any) -> Any:

@@ -47,6 +47,7 @@ def command(line: str) -> list[str]:
     ] + rest
 
 
+@pytest.mark.quick  # the module's test in the quick tier
 def test_the_two_instance_example_runs_and_prints_what_the_page_shows(server):
     ports = {p: free_port() for p in PORTS}
     shell = on(block("export REDIS_URL="), ports).splitlines()

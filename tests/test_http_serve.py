@@ -199,6 +199,7 @@ def chat(front: str) -> openai.OpenAI:
 # -- sessions and balance ------------------------------------------------------------------
 
 
+@pytest.mark.quick  # the module's test in the quick tier
 def test_a_session_stays_on_one_replica_whichever_instance_its_turns_reach(server, procs, name):
     replicas = procs.replicas(3)
     register(server, name, replicas)

@@ -44,6 +44,7 @@ def released(server, name) -> None:
     until(lambda: total(server, name) == 0, "every lease released")
 
 
+@pytest.mark.quick  # the module's test in the quick tier
 def test_async_openai_client_keeps_sessions_and_releases_after_each_response(server, procs, name):
     replicas = procs.replicas(3)
     register(server, name, replicas)

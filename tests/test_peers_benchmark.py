@@ -81,6 +81,7 @@ SERVE_PREFIX = [f.label for f in peers_fronts.FRONTS if "grpo" in f.measures]
 ORACLE = peers_fronts.ORACLE
 
 
+@pytest.mark.slow
 def test_quick_run_prints_finite_redis_router_rows(tmp_path: Path) -> None:
     """redis-router's rows (the library, and `redis-router serve` instances as processes of
     their own), the oracle and the references, on the fake replicas (gateways off: their env

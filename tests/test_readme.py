@@ -1,10 +1,14 @@
-"""The README's plugin example is real code: extracted from the README, loaded from its YAML as
-a user would, and proven to be used by every acquire path of both balancers."""
+"""The README's quick start and the plugin example of docs/plugins.md are real code: extracted
+from the page, run as a user would (the two workers as two processes on the test's server; the
+plugin loaded from its YAML), the plugin proven to be used by every acquire path of both
+balancers."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,29 +21,53 @@ from redis_router import AsyncRedisLoadBalancer, RouterClient, get_router_handle
 from . import invariants
 from .commandstats import script_calls
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+PLUGINS = (ROOT / "docs" / "plugins.md").read_text()
 SERVERS = {f"s{i}": f"http://10.0.0.{i}" for i in range(4)}
 
 
-def _block(first_line: str) -> str:
-    """The fenced code block of the README whose first line is ``first_line``."""
-    for body in re.findall(r"```[a-z]*\n(.*?)```", README, flags=re.S):
+def _block(first_line: str, page: str = PLUGINS) -> str:
+    """The fenced code block of ``page`` whose first line is ``first_line``."""
+    for body in re.findall(r"```[a-z]*\n(.*?)```", page, flags=re.S):
         if body.startswith(first_line):
             return body
-    raise AssertionError(f"README has no code block starting with {first_line!r}")
+    raise AssertionError(f"no code block starting with {first_line!r}")
+
+
+def test_the_quick_start_workers_share_one_balancer_through_redis_url(server, tmp_path):
+    """worker_a.py and worker_b.py as written, each its own process, reading REDIS_URL: B's
+    acquire of A's session lands on the replica A printed."""
+    env = {**os.environ, "REDIS_URL": server.url}
+
+    def run(name: str) -> list[str]:
+        script = tmp_path / name
+        script.write_text(_block(f"# {name}", README))
+        out = subprocess.run(
+            [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    a, b = run("worker_a.py"), run("worker_b.py")
+    assert a[:2] == ["worker", "A:"] and b[:2] == ["worker", "B:"], (a, b)
+    assert a[2] in ("s0", "s1") and b[2:] == a[2:], (a, b)  # the same replica and its URL
+    with server.client(decode_responses=True) as r:
+        assert invariants.check(r, "rollout") == {"s0": 0, "s1": 0}  # both released
+        assert int(r.hget("rr:{rollout}:sticky_hits", a[2]) or 0) == 1  # B's turn was sticky
 
 
 @pytest.fixture
 def plugin(tmp_path: Path) -> Iterator[str]:
-    """The README's three files, as the user's package ``my_routers`` on sys.path; the config
-    as the README loads it, by ``pkg://``."""
+    """The page's three files, as the user's package ``my_routers`` on sys.path; the config
+    as the page loads it, by ``pkg://``."""
     package = tmp_path / "my_routers"
     package.mkdir()
     (package / "__init__.py").write_text("")
     (package / "preferred.lua").write_text(_block("-- my_routers/preferred.lua"))
     (package / "preferred.py").write_text(_block("# my_routers/preferred.py"))
     (package / "preferred.yaml").write_text(_block("# my_routers/preferred.yaml"))
-    assert 'get_router_handle(servers, "pkg://my_routers/preferred.yaml")' in README
+    assert 'get_router_handle(servers, "pkg://my_routers/preferred.yaml")' in PLUGINS
     sys.path.insert(0, str(tmp_path))
     yield "pkg://my_routers/preferred.yaml"
     sys.path.remove(str(tmp_path))
@@ -47,7 +75,7 @@ def plugin(tmp_path: Path) -> Iterator[str]:
         del sys.modules[name]
 
 
-def test_a_plugin_written_from_the_readme_is_used_by_every_sync_path(plugin, server, r):
+def test_a_plugin_written_from_the_docs_is_used_by_every_sync_path(plugin, server, r):
     lb = get_router_handle(SERVERS, plugin, redis=server.url, name="readme")
     assert lb.policy.name == "preferred" and lb.require_acquire_fields() == ["prefer"]
     assert lb.acquire_server("a", prefer="s2")[0] == "s2"
@@ -65,7 +93,7 @@ def test_a_plugin_written_from_the_readme_is_used_by_every_sync_path(plugin, ser
     lb.close()
 
 
-def test_a_plugin_written_from_the_readme_is_used_by_coalesced_asyncio_calls(plugin, server, r):
+def test_a_plugin_written_from_the_docs_is_used_by_coalesced_asyncio_calls(plugin, server, r):
     async def main() -> dict[str, int]:
         lb = get_router_handle(
             SERVERS, plugin, redis=server.url, name="readme-aio"

@@ -109,6 +109,7 @@ def test_a_holder_dead_before_the_stall_is_still_reclaimed(private):
             lb.close()
 
 
+@pytest.mark.slow
 def test_a_holder_that_dies_during_the_stall_is_reclaimed_after_its_probation(private):
     ttl = 1.0
     a, b = _two_live_holders(private, ttl)

@@ -68,6 +68,7 @@ def test_quick_run_reports_every_router_and_workload(server, tmp_path, capsys):
             assert list(c.scan_iter(match=pattern)) == [], pattern
 
 
+@pytest.mark.slow
 def test_rl_trade_reports_every_row_and_the_targets(server, capsys):
     """Virtual time and a seeded tie-break: the run is deterministic, so its figures are
     checked, not only its structure."""
@@ -132,6 +133,7 @@ def test_rl_engines_that_prioritise_long_sessions_serve_them_first():
     )
 
 
+@pytest.mark.slow
 def test_rl_trade_moves_sessions_only_with_a_margin_or_the_gate(server):
     from redis_router.tools import simulate_rl
 
@@ -211,6 +213,7 @@ def test_kv_replica_reports_what_it_caches_and_evicts_as_events():
     assert rep.cached(ha) == 2 and rep.cached(hb) == 4
 
 
+@pytest.mark.slow
 def test_kv_run_compares_every_router_over_seeds_with_their_spread(server, capsys):
     """Virtual time, seeded tie-breaks: structure and sanity, not the targets."""
     from redis_router.tools import simulate_kv as kv
@@ -298,6 +301,7 @@ def test_kv_bad_arguments_name_themselves(server):
         simulate.main(["--kv", "--quick", "--redis", server.url, "--clients", "a"])
 
 
+@pytest.mark.slow
 def test_engine_run_compares_counts_with_engine_scores_and_says_the_targets(server, capsys):
     """Virtual time and seeded tie-breaks; what is asserted holds by construction: the
     replica the bypassing sessions load gets its share of routed requests on counts alone

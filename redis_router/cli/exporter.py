@@ -85,7 +85,7 @@ COUNTERS = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Serve Prometheus metrics of the balancer on http://ADDR:PORT/metrics, read from Redis "
-        "on each scrape. Needs prometheus_client: pip install 'llm-redis-router[metrics]'."
+        "on each scrape. Needs prometheus_client: pip install prometheus_client."
     )
     parser.add_argument(
         "--port",
@@ -337,7 +337,8 @@ def run(args: argparse.Namespace) -> int:
         from prometheus_client import CollectorRegistry, start_http_server
     except ImportError:
         raise CliError(
-            "the exporter needs prometheus_client: pip install 'llm-redis-router[metrics]'"
+            "the exporter needs prometheus_client (the metrics extra): "
+            "pip install prometheus_client"
         ) from None
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be between 0 and 65535, got {args.port}")

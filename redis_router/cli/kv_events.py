@@ -18,8 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
         "A replica's metadata names its publisher: "
         '{"kv_events": "tcp://HOST:5557", "kv_events_replay": "tcp://HOST:5565"} (or lists, '
-        "one per data-parallel rank). See docs/kv_events.md. Needs: pip install "
-        "'llm-redis-router[kv-events]'."
+        "one per data-parallel rank). See docs/kv_events.md. Needs: pip install msgspec "
+        "pyzmq."
     )
     parser.add_argument(
         "--stale",
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         from ..kv_events import KVEventSubscriber
     except ImportError:
         raise CliError(
-            "kv-events needs msgspec and pyzmq: pip install 'llm-redis-router[kv-events]'"
+            "kv-events needs msgspec and pyzmq (the kv-events extra): pip install msgspec pyzmq"
         ) from None
     for value, flag in ((args.stale, "--stale"), (args.poll, "--poll")):
         if not value > 0:

@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "A replica is scraped when its metadata has metrics_url (or url, to which --path is "
         "appended); vLLM and SGLang (started with --enable-metrics) are told apart by their "
         "metric names. A replica that fails a round gets no report: its last one ages. Needs "
-        "prometheus_client: pip install 'llm-redis-router[metrics]'."
+        "prometheus_client: pip install prometheus_client."
     )
     parser.add_argument(
         "--interval",
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise CliError(
             "redis-router load needs prometheus_client to read the engines' metrics: pip "
-            "install 'llm-redis-router[metrics]'"
+            "install prometheus_client"
         ) from None
     with open_balancer(args) as balancer:
         try:

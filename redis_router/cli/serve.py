@@ -4,7 +4,7 @@ Any number of these may run on one Redis and balancer name (behind any L4 load b
 they keep no state of their own, so they route as one balancer, the same one library
 workers, `redis-router status` and the exporter see. Balancer options come from flags or a
 router YAML (``--router-config``, the plugins' format); a flag wins over the file. See
-docs/http.md. Needs the http extra: ``pip install 'llm-redis-router[http]'``.
+docs/http.md. Needs the http extra (from a checkout: ``pip install -e '.[http]'``).
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def _run(args: argparse.Namespace) -> int:
         from ..http.server import ServeOptions
     except ImportError as exc:
         raise CliError(
-            f"serve needs aiohttp ({exc}): pip install 'llm-redis-router[http]'"
+            f"serve needs the http extra ({exc}): pip install aiohttp httpx prometheus_client"
         ) from None
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be in [0, 65535], got {args.port}")

@@ -7,7 +7,7 @@
   the same session, lease and failure rules.
 - :mod:`redis_router.http.routing`: what both read from a request (no HTTP stack).
 
-Needs the http extra (``pip install 'llm-redis-router[http]'``); the core does not import this.
+Needs the http extra (from a checkout: ``pip install -e '.[http]'``); the core does not import this.
 """
 
 from __future__ import annotations

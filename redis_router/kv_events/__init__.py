@@ -56,8 +56,7 @@ def __getattr__(name: str) -> Any:
             from .subscriber import KVEventSubscriber
         except ImportError as exc:
             raise ImportError(
-                f"KVEventSubscriber needs the kv-events extra: pip install "
-                f"'llm-redis-router[kv-events]' ({exc})"
+                f"KVEventSubscriber needs the kv-events extra: pip install msgspec pyzmq ({exc})"
             ) from exc
         return KVEventSubscriber
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

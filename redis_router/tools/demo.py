@@ -454,7 +454,7 @@ def _require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise CliError("--plot needs matplotlib: pip install 'llm-redis-router[plot]'") from None
+        raise CliError("--plot needs matplotlib: pip install matplotlib") from None
 
 
 def plot(results: Sequence[RunResult], path: str) -> None:
