@@ -25,9 +25,9 @@ end
 local NAMED = { 'servers', 'load', 'draining', 'off', 'back', 'capacity', 'leases', 'byreq',
   'holders', 'clock', 'heal', 'remembered', 'remembered:old', 'pinned', 'repins', 'weighted',
   'locality', 'weight_version', 'config', 'acquires', 'sticky_hits', 'reclaimed', 'ejected',
-  'eject_why', 'fails', 'ejections', 'failures', 'waiters', 'waiting', 'waitseq', 'waitstats',
-  'engine', 'engine_at', 'escore', 'eextra', 'wscore', 'wextra', 'released', 'released:old',
-  'ended', 'ended:old', 'weights' }
+  'eject_why', 'fails', 'last_error', 'ejections', 'failures', 'waiters', 'waiting', 'waitseq',
+  'waitstats', 'engine', 'engine_at', 'escore', 'eextra', 'wscore', 'wextra', 'released',
+  'released:old', 'ended', 'ended:old', 'weights' }
 -- end of generated list
 for _, k in ipairs(NAMED) do
   n = n + redis.call('DEL', P .. k)

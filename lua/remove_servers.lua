@@ -19,7 +19,7 @@ for _, id in ipairs(ARGV) do
   removed = removed + redis.call('ZREM', P .. 'load', id) + redis.call('ZREM', P .. 'draining', id)
     + redis.call('ZREM', P .. 'off', id)
   redis.call('ZREM', P .. 'ejected', id)
-  for _, h in ipairs({ 'back', 'capacity', 'eject_why', 'fails', 'failures' }) do
+  for _, h in ipairs({ 'back', 'capacity', 'eject_why', 'fails', 'failures', 'last_error' }) do
     redis.call('HDEL', P .. h, id)
   end
   redis.call('HDEL', P .. 'ejections', id, id .. SEP .. 't')

@@ -3,8 +3,9 @@
 -- ARGV     triples: server id, 1 = healthy / 0 = failed, why (a short text)
 -- Returns  flat array: per replica in the pool, server id and "ok" | "failing" | "ejected
 --          until <ms>"; replicas not in the pool are skipped.
--- Keeps    I10, I11: the same streaks and ejections as failed requests (lib/health.lua);
---          ejections whose time is up end first.
+-- Keeps    I10, I11: the same streaks, last errors and ejections as failed requests
+--          (lib/health.lua; streaks and last errors with ejection off too); ejections whose
+--          time is up end first.
 -- Uses     lib/base, lib/admission, lib/leases, lib/health
 local now = now_ms()
 admit().restore_due(now)
@@ -15,7 +16,8 @@ for i = 1, #ARGV, 3 do
     if ARGV[i + 1] == '1' then
       health().succeeded(id)
     else
-      health().failed(id, 'failed health checks (' .. ARGV[i + 2] .. ')', now)
+      health().failed(id, 'failed health checks (' .. ARGV[i + 2] .. ')', now, 0,
+        'health check: ' .. ARGV[i + 2])
     end
     local til = redis.call('ZSCORE', P .. 'ejected', id)
     out[#out + 1] = id

@@ -6,13 +6,17 @@
 --          { id, in-flight, draining (0/1), leases, sticky sessions, acquires,
 --            sticky hits, reclaimed, JSON metadata, sticky sessions re-pinned away from it
 --            by the affinity margin, then health (below), then its engine report ("" = none,
---            lib/engine.lua) } for every replica (full or ejected ones too), holders is { live,
---            dead, leases of dead holders awaiting reclaim, live ones on probation after a
---            pause of Redis, ms the probation has left },
+--            lib/engine.lua), the last failure's reason and when (ms) ("" = none) } for every
+--            replica (full or ejected ones too), holders is { live (heard within their lease
+--            ttl), dead, leases of dead holders awaiting reclaim, unheard (deadline passed
+--            during a gap in heartbeats: on probation), ms the probation has left, leases of
+--            unheard holders, ms since the longest unheard one was last heard, 1 if the
+--            probation runs (recorded) or 0 if the next heartbeat, acquire or reap starts it },
 --          waiting is { waiting now, the first one's wait so far (ms), served after waiting,
 --          their total and longest wait (ms), given up, abandoned (process died) }
 -- Health   per row: capacity ("" = none), ejected until (ms, "" = not), why, failures in a
---          row, failures reported, ejections in a row.
+--          row (with ejection off, 0 once a lease on it ended otherwise: lib/health.lua), failures
+--          reported, ejections in a row.
 -- Uses     lib/base
 local width, span = tonumber(ARGV[1]), tonumber(ARGV[2])
 local now = now_ms()
@@ -25,6 +29,8 @@ for b = cur, cur - span, -1 do
   end
 end
 local rows = {}
+-- With ejection on, a success deletes its replica's streak; off, the mark tells it ended.
+local exact = (redis.call('HGET', P .. 'config', 'ejection') or '') ~= ''
 for d, zs in ipairs({ 'load', 'draining', 'off' }) do
   local ids = redis.call('ZRANGE', P .. zs, 0, -1, 'WITHSCORES')
   for i = 1, #ids, 2 do
@@ -35,33 +41,65 @@ for d, zs in ipairs({ 'load', 'draining', 'off' }) do
     for _, b in ipairs(buckets) do
       sticky = sticky + tonumber(redis.call('HGET', P .. 'stickyn:' .. b, id) or 0)
     end
+    local held = redis.call('ZCARD', P .. 'held:' .. id)
+    local acquires = tonumber(redis.call('HGET', P .. 'acquires', id) or 0)
+    local reclaimed = tonumber(redis.call('HGET', P .. 'reclaimed', id) or 0)
+    -- The last failure, and whether its streak still holds (ejection off): no lease on id
+    -- ended since, other than by a failure or a reclaim (lib/health.lua mark_of).
+    local last = redis.call('HGET', P .. 'last_error', id)
+    local at, mark, why
+    if last then
+      at, mark, why = string.match(last, '^(%d+)' .. SEP .. '(%-?%d+)' .. SEP .. '(.*)$')
+    end
+    local streak = 0
+    if exact or (mark and tonumber(mark) == acquires - held - reclaimed) then
+      streak = tonumber(redis.call('HGET', P .. 'fails', id) or 0)
+    end
     rows[#rows + 1] = {
-      id, tonumber(ids[i + 1]), draining,
-      redis.call('ZCARD', P .. 'held:' .. id), sticky,
-      tonumber(redis.call('HGET', P .. 'acquires', id) or 0),
+      id, tonumber(ids[i + 1]), draining, held, sticky, acquires,
       tonumber(redis.call('HGET', P .. 'sticky_hits', id) or 0),
-      tonumber(redis.call('HGET', P .. 'reclaimed', id) or 0),
+      reclaimed,
       redis.call('HGET', P .. 'servers', id),
       tonumber(redis.call('HGET', P .. 'repins', id) or 0),
       redis.call('HGET', P .. 'capacity', id) or '',
       redis.call('ZSCORE', P .. 'ejected', id) or '',
       redis.call('HGET', P .. 'eject_why', id) or '',
-      tonumber(redis.call('HGET', P .. 'fails', id) or 0),
+      streak,
       tonumber(redis.call('HGET', P .. 'failures', id) or 0),
       tonumber(redis.call('HGET', P .. 'ejections', id) or 0),
       redis.call('HGET', P .. 'engine', id) or '',
+      why or '', at or '',
     }
   end
 end
--- Dead: deadline passed while Redis could hear heartbeats; on probation: unheard only during a
--- pause of Redis (lib/base.lua liveness()), counted live until the probation ends.
+-- Live: heard within their lease ttl. Dead: deadline passed while Redis could hear heartbeats.
+-- Unheard: deadline passed during a gap in what Redis heard (a pause of Redis, or no process
+-- alive; lib/base.lua liveness()): on probation, reclaimed when it ends unless heard again.
+-- The probation runs once a script that may reap has recorded it (P.."clock" till); until
+-- then, the first such script (a heartbeat, an acquire, a reap) starts it.
 local horizon, till = liveness(now)
 local dead = redis.call('ZRANGEBYSCORE', P .. 'holders', '-inf', int(horizon))
 local waiting = 0
-for _, holder in ipairs(dead) do waiting = waiting + redis.call('ZCARD', P .. 'owned:' .. holder) end
-local live = redis.call('ZCOUNT', P .. 'holders', '(' .. int(horizon), '+inf')
-local probation = 0
-if till > now then probation = redis.call('ZCOUNT', P .. 'holders', '(' .. int(horizon), int(now)) end
+for _, holder in ipairs(dead) do
+  waiting = waiting + redis.call('ZCARD', P .. 'owned:' .. holder)
+end
+local live = redis.call('ZCOUNT', P .. 'holders', '(' .. int(now), '+inf')
+local unheard, unheard_leases, unheard_ms, running = 0, 0, 0, 0
+if till > now then
+  local late = redis.call('ZRANGEBYSCORE', P .. 'holders', '(' .. int(horizon), int(now),
+    'WITHSCORES')
+  unheard = #late / 2
+  for k = 1, #late, 2 do
+    unheard_leases = unheard_leases + redis.call('ZCARD', P .. 'owned:' .. late[k])
+  end
+  if unheard > 0 then
+    -- Since the longest unheard was last heard: its deadline less the shortest ttl in use
+    -- (exact when every process uses one lease_ttl; at least this otherwise).
+    local short = tonumber(redis.call('HGET', P .. 'clock', 'short') or 0)
+    unheard_ms = now - tonumber(late[2]) + short
+  end
+  if tonumber(redis.call('HGET', P .. 'clock', 'till') or 0) == till then running = 1 end
+end
 local head = redis.call('ZRANGE', P .. 'waiters', '0', '0')[1]
 local oldest = 0
 if head then
@@ -71,5 +109,6 @@ end
 local ws = redis.call('HMGET', P .. 'waitstats', 'served', 'waited_ms', 'max_ms', 'timed_out',
   'abandoned')
 for k = 1, 5 do ws[k] = tonumber(ws[k] or 0) end
-return { sessions, now, rows, { live, #dead, waiting, probation, int(math.max(0, till - now)) },
+return { sessions, now, rows, { live, #dead, waiting, unheard, int(math.max(0, till - now)),
+  unheard_leases, int(unheard_ms), running },
   { redis.call('ZCARD', P .. 'waiters'), oldest, ws[1], ws[2], ws[3], ws[4], ws[5] } }

@@ -886,7 +886,7 @@ class BalancerCore:
         streaks and ejections as failed requests. Returns each pool member's state."""
         flat: list[str] = []
         for sid, ok, why in outcomes:
-            flat += (validation.server_id(sid), "1" if ok else "0", why[:200])
+            flat += (validation.server_id(sid), "1" if ok else "0", health.reason(why))
         if not flat:
             return {}
         raw = yield Call(load("report"), tuple(flat))
@@ -967,15 +967,19 @@ class BalancerCore:
         """Reclaim the leases of the holders already dead (not those on probation)."""
         return (yield from self.reap_all())[0]
 
-    def reap_all(self, most: int | None = None) -> Op[tuple[int, float, float]]:
+    def reap_all(self, most: int | None = None, tool: bool = False) -> Op[tuple[int, float, float]]:
         """Reclaim the leases of dead holders, a chunk per call, up to ``most`` calls (None:
         until done). Returns (leases reclaimed, seconds until the probation after a gap in
         heartbeats ends while a holder unheard during it still has leases: 0.0 when none, and
-        how often in seconds a caller waiting it out must call again: see probation_wait)."""
+        how often in seconds a caller waiting it out must call again: see probation_wait).
+        ``tool``: the caller holds no leases (`redis-router reap`): the gap is judged by the
+        lease ttls in use, not this core's, and the probation counts while any holder is
+        unheard, with leases or not (so waiting it out declares every one of them dead)."""
         total, calls = 0, 0
+        args = (REAP_CHUNK, RESEND_WINDOW_MS, "", "1") if tool else None
         while True:
             n, examined, limbo, listen = yield Call(
-                load("reap"), (REAP_CHUNK, RESEND_WINDOW_MS, self.lease_ms)
+                load("reap"), args or (REAP_CHUNK, RESEND_WINDOW_MS, self.lease_ms)
             )
             total, calls = total + int(n), calls + 1
             if int(examined) < REAP_CHUNK or (most is not None and calls >= most):
@@ -1072,8 +1076,11 @@ class BalancerCore:
                 "sticky_hits": int(hits),
                 "reclaimed": int(reclaimed),
                 "repins": int(repins),
-                "metadata": json.loads(_str(meta)) if meta is not None else None,
+                "metadata": validation.metadata(
+                    json.loads(_str(meta)) if meta is not None else None
+                ),
                 **health.replica_status(row[10:16], int(now), int(inflight)),
+                **health.last_error(row[17:19], int(now)),
             }
             report = engine.from_stored(row[16], int(now))
             if report is not None:
@@ -1100,13 +1107,7 @@ class BalancerCore:
                 dataclasses.asdict(self.engine_scoring) if self.engine_scoring else None
             ),
             "sticky_min_cached": float(self.min_cached) if self.min_cached else None,
-            "holders": dict(
-                zip(
-                    ("live", "dead", "awaiting_reclaim", "on_probation", "probation_ms"),
-                    map(int, holders),
-                    strict=True,
-                )
-            ),
+            "holders": health.holders_status(holders),
             "ejection": health.ejection_status(
                 self.eject_after,
                 self.eject_for,

@@ -11,6 +11,7 @@ eligible replica full waits its turn (FIFO across processes) or fails with NoCap
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -118,10 +119,58 @@ def replica_status(row: Sequence[Any], now: int, inflight: int) -> dict[str, Any
         "ejected_until": until_ms / 1000 if until_ms is not None else None,
         "ejected_for": max(0.0, (until_ms - now) / 1000) if until_ms is not None else None,
         "ejected_why": (why.decode() if isinstance(why, bytes) else why) or None,
+        # Its last outcome was a failure (a request or a probe), ejection on or off.
+        "failing": int(streak) > 0,
         "failures_in_a_row": int(streak),
         "failures": int(failures),
         "ejections_in_a_row": int(ejections),
     }
+
+
+MAX_REASON = 200  # characters of a failure's reason kept (lib/health.lua keeps 200 bytes)
+_USER_INFO = re.compile(r"[^\s/@'\"]+@")
+
+
+def reason(text: str) -> str:
+    """A failure's reason as stored (a probe's error text): one line, at most MAX_REASON
+    characters, with any user info of a URL in it (``user:password@``) hidden."""
+    return _USER_INFO.sub("***@", " ".join(str(text).split()))[:MAX_REASON]
+
+
+def last_error(row: Sequence[Any], now: int) -> dict[str, Any]:
+    """A status row's last failure (status.lua): its reason, and when (s, epoch) and how long
+    ago; None when none was reported since the replica joined."""
+    why, at = (v.decode() if isinstance(v, bytes) else v for v in row)
+    if not at:
+        return {"last_error": None, "last_error_at": None, "last_error_age": None}
+    return {
+        "last_error": why,
+        "last_error_at": int(at) / 1000,
+        "last_error_age": max(0.0, (now - int(at)) / 1000),
+    }
+
+
+HOLDER_FIELDS = (
+    "live",
+    "dead",
+    "awaiting_reclaim",
+    "unheard",
+    "probation_ms",
+    "unheard_leases",
+    "unheard_ms",
+)
+
+
+def holders_status(row: Sequence[Any]) -> dict[str, Any]:
+    """Worker processes by liveness (status.lua): live (heard within their lease_ttl), dead,
+    and unheard (their deadline passed during a gap in heartbeats: on probation, reclaimed
+    when it ends unless heard again), with how long since the longest unheard was heard and
+    whether the probation runs already (else the next heartbeat, acquire or reap starts it).
+    ``on_probation`` is ``unheard`` under the name earlier versions used."""
+    out: dict[str, Any] = dict(zip(HOLDER_FIELDS, map(int, row), strict=False))
+    out["on_probation"] = out["unheard"]
+    out["probation_running"] = int(row[len(HOLDER_FIELDS)]) == 1
+    return out
 
 
 def waiting_status(row: Sequence[Any]) -> dict[str, Any]:

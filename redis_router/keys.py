@@ -53,7 +53,12 @@ SEP = "␟"  # U+001F, as the docs show it
 
 REGISTRY: tuple[Key, ...] = (
     # -- the pool -----------------------------------------------------------------------
-    Key("servers", "hash", "replica id → JSON metadata (the pool)"),
+    Key(
+        "servers",
+        "hash",
+        "replica id → JSON metadata (the pool); every reader (health, load, serve, status) "
+        'takes a plain URL string for `{"url": it}` (`validation.metadata`)',
+    ),
     Key("load", "zset", "replica id → in-flight count, replicas taking new sessions"),
     Key("draining", "zset", "replica id → in-flight count, replicas serving only sticky sessions"),
     Key(
@@ -140,7 +145,22 @@ REGISTRY: tuple[Key, ...] = (
     # -- health -------------------------------------------------------------------------
     Key("ejected", "zset", "replica → ejected until (ms)"),
     Key("eject_why", "hash", "replica → why it was ejected"),
-    Key("fails", "hash", "replica → failures in a row (exists only while a streak does)"),
+    Key(
+        "fails",
+        "hash",
+        "replica → failures in a row, ejection on or off: on, a success deletes it (it exists "
+        "only while a streak does); off, it holds only while the replica's mark (`P "
+        "last_error`) is the one its last failure recorded, so a success ends it without a "
+        "write",
+    ),
+    Key(
+        "last_error",
+        "hash",
+        f"replica → `at_ms{SEP}mark{SEP}reason`: its last failure (a request: `request "
+        "failed`; a probe: `health check: ...`; at most 200 bytes, user info of URLs hidden) "
+        "and the mark then: its leases that had ended other than by a reclaim (`acquires − "
+        "ZCARD held − reclaimed`)",
+    ),
     Key("ejections", "hash", "replica → ejections in a row; `replica␟t` → when the last one ends"),
     Key("failures", "hash", "replica → failed requests and probes reported (counter)"),
     # -- waiting acquires ---------------------------------------------------------------

@@ -5,6 +5,7 @@ Every check runs before anything is sent to Redis, so bad input changes nothing 
 
 from __future__ import annotations
 
+import json
 import math
 import operator
 import re
@@ -92,6 +93,30 @@ def servers_mapping(values: object, arg: str = "servers") -> dict[str, Any]:
             f"{arg} must be a mapping {{server_id: value}}, got {type(values).__name__}"
         )
     return {server_id(k, f"{arg} key {k!r}"): v for k, v in values.items()}
+
+
+URL_SCHEMES = ("http://", "https://")
+
+
+def metadata(value: Any) -> Any:
+    """A replica's metadata as every reader sees it (health, load, serve, status): a plain URL
+    string (``add_servers({"s0": "http://..."})``, ``servers add --meta http://...``, or a pool
+    stored so by an earlier version) is ``{"url": that string}``; anything else is as stored.
+    The handle a worker gets stays the value registered."""
+    if isinstance(value, str) and value.startswith(URL_SCHEMES):
+        return {"url": value}
+    return value
+
+
+def stored_metadata(raw: str | bytes | None) -> Any:
+    """A replica's metadata as stored in Redis (JSON), as readers see it (:func:`metadata`);
+    None when absent or not JSON."""
+    if raw is None:
+        return None
+    try:
+        return metadata(json.loads(raw))
+    except ValueError:
+        return None
 
 
 def name(value: object) -> str:

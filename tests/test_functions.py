@@ -321,6 +321,8 @@ def _dump(r: redis.Redis, name: str, holder: str) -> dict[str, Any]:
                 value = len(fields)
             elif family == "clock":  # times Redis heard heartbeats: their fields only
                 value = sorted(fields)
+            elif family == "last_error":  # at_ms SEP mark SEP why: all but the time
+                value = {k: v.partition(invariants.SEP)[2] for k, v in fields.items()}
             else:
                 clock = ("@", invariants.SEP + "t")  # a generation's start, an ejection's end
                 value = {

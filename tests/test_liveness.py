@@ -25,7 +25,17 @@ from redis_router.scripts import load
 from . import invariants
 
 SERVERS = {"s0": "a", "s1": "b"}
-NO_HOLDERS = {"live": 0, "dead": 0, "awaiting_reclaim": 0, "on_probation": 0, "probation_ms": 0}
+NO_HOLDERS = {
+    "live": 0,
+    "dead": 0,
+    "awaiting_reclaim": 0,
+    "unheard": 0,
+    "on_probation": 0,
+    "probation_ms": 0,
+    "unheard_leases": 0,
+    "unheard_ms": 0,
+    "probation_running": False,
+}
 
 HOLDER = """
 import sys, time
@@ -184,9 +194,12 @@ def test_status_shows_live_and_dead_holders(make_lb, r):
     assert watcher.get_status()["holders"] == {**NO_HOLDERS, "live": 1}
     holder._keeper.stop()  # as if the process hung
     time.sleep(0.4)
-    # Nobody was heard since: Redis itself may have been paused, so it is on probation.
+    # Nobody was heard since: Redis itself may have been paused, so it is on probation,
+    # shown as unheard (not live), with its leases and how long since it was heard.
     seen = watcher.get_status()["holders"]
-    assert seen["live"] == 1 and seen["on_probation"] == 1 and seen["dead"] == 0
+    assert (seen["live"], seen["unheard"], seen["dead"]) == (0, 1, 0), seen
+    assert seen["on_probation"] == 1 and seen["unheard_leases"] == 2
+    assert seen["unheard_ms"] >= 350  # slept 0.4 s since it was last heard (ms rounding)
     # Another process's heartbeats (reaping nothing: budget 0) are heard past the probation.
     listener = [watcher._core.holder, 200, *_heartbeat_tail(watcher)]
     until = time.monotonic() + 0.5

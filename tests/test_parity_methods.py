@@ -109,6 +109,7 @@ async def normalise(out: Any) -> Any:
 
 
 _CLOCKS = {"name", "ejected_until", "ejected_for", "probation_ms", "now", "age_s"}
+_CLOCKS |= {"last_error_at", "last_error_age", "unheard_ms"}
 
 
 Scenario = Callable[[Driver], Awaitable[None]]

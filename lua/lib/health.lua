@@ -2,15 +2,33 @@
 -- admission).
 -- Envoy's outlier detection, shared by every process: `after` failures in a row eject a
 -- replica for base * (ejections in a row) ms, at most max ms, while at most `share` of the
--- pool is ejected; a success clears the streak. The settings are pinned in P.."config" field
--- `ejection` ("after base_ms max_ms share mode"; "" = off): a failure reads them, a success never
--- (the release's operation id says whether ejection is on, see released()).
---   P.."fails"      HASH  id -> failures in a row (exists only while some streak does)
+-- pool is ejected; a success ends the streak. Streaks and the last error are kept with
+-- ejection off too, so status shows a failing replica as failing. The settings are pinned in
+-- P.."config" field `ejection` ("after base_ms max_ms share mode"; "" = off): a failure reads
+-- them, a success never (the release's operation id says whether ejection is on, see
+-- released()).
+--   P.."fails"      HASH  id -> failures in a row, counted with ejection on or off. On, a
+--                         success ("+") deletes it. Off, a release makes no health call: the
+--                         streak holds while no lease on id ended, other than by a failure or
+--                         a reclaim, since its last failure (the mark in P.."last_error"), so a
+--                         success ends it without a write (so does a close)
+--   P.."last_error" HASH  id -> at_ms..SEP..mark..SEP..why: the last failure reported for id,
+--                         and the mark then (mark_of(id))
 --   P.."ejected"    ZSET  id -> ejected until (ms); P.."eject_why" HASH id -> why
 --   P.."ejections"  HASH  id -> ejections in a row, id..SEP.."t" -> when the last one ends;
 --                         a replica not ejected for `max` ms starts again at base
 --   P.."failures"   HASH  id -> failures reported (a counter, for status)
 local STREAKS = nil -- per call; whether P.."fails" exists
+local MAX_WHY = 200 -- bytes of a failure's reason kept
+
+-- The leases on id that ended other than by a reclaim (acquired, less those held and those
+-- reclaimed): a success moves it without a health write, so a failure streak can tell that
+-- a request succeeded since its last failure. status.lua reads the same three counters.
+local function mark_of(id)
+  return tonumber(redis.call('HGET', P .. 'acquires', id) or 0)
+    - redis.call('ZCARD', P .. 'held:' .. id)
+    - tonumber(redis.call('HGET', P .. 'reclaimed', id) or 0)
+end
 local HEALTH = nil -- once per library: the procedures below, which hold no state of a call
 
 -- The procedures, made on first use (as lib/leases.lua's admit): a release that reports
@@ -48,14 +66,29 @@ local function health()
     return til
   end
 
-  -- A request to (or a probe of) id failed: count it toward the streak that ejects it.
-  function H.failed(id, why, now)
+  -- A request to (or a probe of) id failed: count it toward the streak (ejection on or off),
+  -- keep why (`err`) as id's last error, and eject id when the streak reaches `after`.
+  -- `ended`: 1 when the failure ended a lease (a failed request), 0 for a probe.
+  function H.failed(id, why, now, ended, err)
     redis.call('HINCRBY', P .. 'failures', id, '1')
     local after, base, max, share = H.settings()
-    if not after then return end
+    local mark = mark_of(id)
+    local n = 1
+    if after then -- a success ends the streak itself ("+")
+      n = redis.call('HINCRBY', P .. 'fails', id, '1')
+    else
+      local last = redis.call('HGET', P .. 'last_error', id)
+      if last and tonumber(string.match(last, '^%d+' .. SEP .. '(%-?%d+)')) == mark - ended then
+        n = redis.call('HINCRBY', P .. 'fails', id, '1')
+      else
+        redis.call('HSET', P .. 'fails', id, '1') -- a success (or a close) came in between
+      end
+    end
+    redis.call('HSET', P .. 'last_error', id,
+      int(now) .. SEP .. int(mark) .. SEP .. string.sub(err, 1, MAX_WHY))
     STREAKS = true
-    local n = redis.call('HINCRBY', P .. 'fails', id, '1')
-    if n >= after and H.eject(id, int(n) .. ' ' .. why .. ' in a row', now, base, max, share) then
+    if after and n >= after
+      and H.eject(id, int(n) .. ' ' .. why .. ' in a row', now, base, max, share) then
       redis.call('HDEL', P .. 'fails', id)
     end
   end
@@ -72,11 +105,12 @@ end
 
 -- A lease on id was released by operation `op`: its request failed when op starts with "!",
 -- succeeded with ejection on when it starts with "+" (its streak ends); any other release is
--- a success with ejection off (every process pins it), where no streak exists: no call.
+-- a success with ejection off (every process pins it): no call, its lease's end moves the
+-- replica's mark past its streak's (mark_of).
 local function released(id, op)
   local mark = id and string.byte(op)
   if mark == 33 then
-    health().failed(id, 'failed requests', now_ms())
+    health().failed(id, 'failed requests', now_ms(), 1, 'request failed')
   elseif mark == 43 then
     health().succeeded(id)
   end

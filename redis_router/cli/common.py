@@ -180,6 +180,16 @@ class Balancer:
         return raw
 
 
+def pool_metadata(balancer: Balancer) -> dict[str, Any]:
+    """Every replica's metadata as readers see it (a plain URL string is {"url": it};
+    validation.metadata), read in one HGETALL."""
+    raw = balancer.client.hgetall(servers_key(balancer.name))
+    return {
+        (sid.decode() if isinstance(sid, bytes) else sid): validation.stored_metadata(meta)
+        for sid, meta in raw.items()
+    }
+
+
 def missing_balancer(balancer: Balancer) -> CliError:
     others = known_balancers(balancer.client)
     hint = f"balancers there: {', '.join(others)}" if others else "it holds no balancer"
@@ -213,11 +223,14 @@ def open_balancer(args: Any, *, create: bool = False) -> Iterator[Balancer]:
 
 
 def state_of(replica: dict[str, Any]) -> str:
-    """active, full (its capacity reached), ejected (failing: no acquire until its time is
-    up), draining, or drained (= draining with nothing in flight: safe to remove)."""
+    """active, full (its capacity reached), failing (its last request or probe failed,
+    ejection on or off), ejected (failing: no acquire until its time is up), draining, or
+    drained (= draining with nothing in flight: safe to remove)."""
     if replica.get("ejected_until"):
         return "ejected"
     if not replica["draining"]:
+        if replica.get("failing"):
+            return "failing"
         return "full" if replica.get("full") else "active"
     return "drained" if replica["inflight"] == 0 else "draining"
 
@@ -229,9 +242,13 @@ HEALTH_FIELDS = (
     "ejected_until",
     "ejected_for",
     "ejected_why",
+    "failing",
     "failures_in_a_row",
     "failures",
     "ejections_in_a_row",
+    "last_error",
+    "last_error_at",
+    "last_error_age",
 )
 
 REPLICA_FIELDS = (
@@ -268,6 +285,7 @@ def snapshot(balancer: Balancer) -> dict[str, Any]:
         "drained": states.count("drained"),
         "ejected": states.count("ejected"),
         "full": states.count("full"),
+        "failing": states.count("failing"),
     }
     totals.update({f: sum(r[f] for r in replicas.values()) for f in REPLICA_FIELDS})
     # Sessions whose sticky entry is alive, including those of removed replicas (their next

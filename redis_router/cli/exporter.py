@@ -19,13 +19,19 @@ never staler than the scrape and an idle exporter costs Redis nothing). Per repl
                                                    declare one)
     redis_router_ejected                  gauge    1 while ejected (failing), by ``reason``
     redis_router_ejected_seconds_left     gauge    until the ejection ends
-    redis_router_failures_in_a_row        gauge    the failure streak toward ejection
+    redis_router_failing                  gauge    1 while its last request or probe failed
+                                                   (ejection on or off), by ``reason`` (the
+                                                   last error, at most 200 characters)
+    redis_router_failures_in_a_row        gauge    the failure streak (toward ejection, if on)
     redis_router_failures_total           counter  failed requests and probes reported
+    redis_router_last_error_age_seconds   gauge    since its last failure (replicas with one)
 
 and per balancer ``redis_router_up`` (1 if Redis answered this scrape) and
 ``redis_router_replicas`` (and, where the status reports worker processes,
-``redis_router_holders`` by ``state`` live|dead|on_probation and
-``redis_router_leases_awaiting_reclaim``),
+``redis_router_holders`` by ``state`` live|unheard|dead (unheard: deadline passed during a
+gap in heartbeats, on probation), ``redis_router_holders_unheard_seconds`` (since the longest
+unheard was heard), ``redis_router_leases_awaiting_reclaim`` (of dead ones) and
+``redis_router_leases_unheard`` (of unheard ones)),
 and for acquires that wait for a place in a full pool ``redis_router_waiting`` (now),
 ``redis_router_oldest_wait_seconds``, ``redis_router_waits_total`` by ``outcome``
 served|timed_out|abandoned, ``redis_router_wait_seconds_total`` (of the served) and
@@ -193,11 +199,21 @@ def _health(name: str, replicas: dict[str, Any]) -> Iterator[Any]:
     left = GaugeMetricFamily(
         "redis_router_ejected_seconds_left", "Seconds until the ejection ends.", labels=labels
     )
+    failing = GaugeMetricFamily(
+        "redis_router_failing",
+        "1 while the replica's last request or probe failed, by its last error.",
+        labels=[*labels, "reason"],
+    )
     streak = GaugeMetricFamily(
-        "redis_router_failures_in_a_row", "Failures in a row toward ejection.", labels=labels
+        "redis_router_failures_in_a_row", "Failures in a row (toward ejection).", labels=labels
     )
     failures = CounterMetricFamily(
         "redis_router_failures", "Failed requests and probes reported.", labels=labels
+    )
+    age = GaugeMetricFamily(
+        "redis_router_last_error_age_seconds",
+        "Seconds since the replica's last failed request or probe.",
+        labels=labels,
     )
     for sid, r in replicas.items():
         if r["capacity"] is not None:
@@ -205,9 +221,14 @@ def _health(name: str, replicas: dict[str, Any]) -> Iterator[Any]:
         if r["ejected_until"] is not None:
             ejected.add_metric([name, sid, r["ejected_why"] or ""], 1.0)
             left.add_metric([name, sid], float(r["ejected_for"]))
+        failing.add_metric(
+            [name, sid, (r["last_error"] or "") if r["failing"] else ""], float(r["failing"])
+        )
         streak.add_metric([name, sid], float(r["failures_in_a_row"]))
         failures.add_metric([name, sid], float(r["failures"]))
-    yield from (cap, ejected, left, streak, failures)
+        if r["last_error_age"] is not None:
+            age.add_metric([name, sid], float(r["last_error_age"]))
+    yield from (cap, ejected, left, failing, streak, failures, age)
 
 
 def _engine(name: str, replicas: dict[str, Any]) -> Iterator[Any]:
@@ -286,18 +307,29 @@ def _holders(name: str, holders: dict[str, int] | None) -> Iterator[Any]:
     g = GaugeMetricFamily(
         "redis_router_holders", "Worker processes holding leases.", labels=["balancer", "state"]
     )
-    for state in ("live", "dead"):
+    # Unheard: deadline passed during a gap in heartbeats (a pause of Redis, or they exited),
+    # on probation; counted apart from the live ones.
+    for state in ("live", "unheard", "dead"):
         g.add_metric([name, state], holders.get(state, 0))
-    # Live ones unheard since a pause of Redis, on probation (counted in live as well).
-    g.add_metric([name, "on_probation"], holders.get("on_probation", 0))
     yield g
-    waiting = GaugeMetricFamily(
-        "redis_router_leases_awaiting_reclaim",
-        "Leases of dead worker processes not yet reclaimed.",
+    since = GaugeMetricFamily(
+        "redis_router_holders_unheard_seconds",
+        "Seconds since the longest unheard worker process was last heard (0: none unheard).",
         labels=["balancer"],
     )
-    waiting.add_metric([name], holders.get("awaiting_reclaim", 0))
-    yield waiting
+    since.add_metric([name], holders.get("unheard_ms", 0) / 1000)
+    yield since
+    for metric, field, text in (
+        (
+            "awaiting_reclaim",
+            "awaiting_reclaim",
+            "Leases of dead worker processes not yet reclaimed.",
+        ),
+        ("unheard", "unheard_leases", "Leases of unheard worker processes (on probation)."),
+    ):
+        leases = GaugeMetricFamily(f"redis_router_leases_{metric}", text, labels=["balancer"])
+        leases.add_metric([name], holders.get(field, 0))
+        yield leases
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,7 +12,6 @@ checker per router; here they all feed one shared decision.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import urllib.error
 import urllib.request
@@ -20,8 +19,9 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from .. import health
 from ..errors import RedisUnavailable
-from .common import Balancer, config_key, open_balancer, servers_key
+from .common import Balancer, config_key, open_balancer, pool_metadata
 
 MAX_PARALLEL = 32
 
@@ -68,19 +68,16 @@ def probe(url: str, timeout: float) -> tuple[bool, str]:
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         return False, type(reason).__name__ if not str(reason) else str(reason)[:80]
+    except ValueError as exc:  # a URL urllib cannot use (http.client.InvalidURL)
+        return False, f"invalid URL ({type(exc).__name__})"
 
 
 def check_round(balancer: Balancer, path: str, timeout: float) -> dict[str, str]:
     """Probe every health URL of the pool once and report the outcome for each replica (each
     rank) probed there; returns each probed replica's state after the report."""
-    raw = balancer.client.hgetall(servers_key(balancer.name))
     targets: dict[str, str] = {}
-    for sid, meta in raw.items():
-        sid = sid.decode() if isinstance(sid, bytes) else sid
-        try:
-            url = health_url(json.loads(meta), path)
-        except ValueError:
-            url = None
+    for sid, meta in pool_metadata(balancer).items():
+        url = health_url(meta, path)
         if url:
             targets[sid] = url
     if not targets:
@@ -92,7 +89,13 @@ def check_round(balancer: Balancer, path: str, timeout: float) -> dict[str, str]
         probed = dict(zip(urls, pool.map(lambda u: probe(u, timeout), urls), strict=True))
     outcomes = [(sid, *probed[url]) for sid, url in targets.items()]
     core = balancer.core()
-    return balancer.run(core.report(outcomes), core)
+    states = balancer.run(core.report(outcomes), core)
+    # A failing replica's state says why (the probe's error, as stored: health.reason).
+    why = {sid: health.reason(text) for sid, ok, text in outcomes if not ok}
+    return {
+        sid: f"{state}: {why[sid]}" if state == "failing" and sid in why else state
+        for sid, state in states.items()
+    }
 
 
 def readable(state: str) -> str:

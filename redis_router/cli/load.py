@@ -12,7 +12,6 @@ only reports what it sees (docs/engine-load.md).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -21,7 +20,7 @@ from .. import dp
 from ..engine import EngineLoad
 from ..engine_metrics import Unusable, fetch, metrics_url, parse
 from ..errors import RedisUnavailable
-from .common import Balancer, CliError, open_balancer, servers_key
+from .common import Balancer, CliError, open_balancer, pool_metadata
 
 # A replica's metrics URL, and its data-parallel rank when it is one rank of a server.
 Target = tuple[str, int | None]
@@ -62,15 +61,9 @@ Outcome = tuple[str, EngineLoad] | str
 def targets(balancer: Balancer, path: str) -> dict[str, Target]:
     """The replicas to scrape: their metrics URLs, and the data-parallel rank of a replica
     routed per rank (its ranks share one endpoint, whose figures are labelled by rank)."""
-    raw = balancer.client.hgetall(servers_key(balancer.name))
     found: dict[str, Target] = {}
-    for sid, meta in raw.items():
-        sid = sid.decode() if isinstance(sid, bytes) else sid
-        try:
-            value = json.loads(meta)
-            url = metrics_url(value, path)
-        except ValueError:
-            url = None
+    for sid, value in pool_metadata(balancer).items():
+        url = metrics_url(value, path)
         if url:
             rank = value.get(dp.DP_RANK) if isinstance(value, dict) else None
             found[sid] = (url, rank if isinstance(rank, int) else None)

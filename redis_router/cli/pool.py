@@ -33,7 +33,8 @@ def _servers_arguments(parser: argparse.ArgumentParser) -> None:
         "--meta",
         metavar="JSON",
         default="null",
-        help='JSON metadata returned to workers as the handle, e.g. \'{"url": "http://..."}\'',
+        help='JSON metadata returned to workers as the handle, e.g. \'{"url": "http://..."}\', '
+        'or a plain URL (http://...), which every reader takes for {"url": URL}',
     )
     add.add_argument(
         "--capacity",
@@ -118,10 +119,16 @@ def _pin_sticky_ttl(b: Balancer, seconds: float) -> None:
 
 
 def _parse_meta(text: str) -> Any:
+    """JSON, or a plain http(s) URL: registered as the library registers a URL string, which
+    every reader takes for {"url": it} (validation.metadata)."""
+    if text.startswith(validation.URL_SCHEMES):
+        return text
     try:
         return json.loads(text)
     except ValueError as exc:
-        raise CliError(f"--meta is not valid JSON ({exc}): {text[:60]!r}") from None
+        raise CliError(
+            f"--meta is not valid JSON, nor an http:// or https:// URL ({exc}): {text[:60]!r}"
+        ) from None
 
 
 def _sessions_arguments(parser: argparse.ArgumentParser) -> None:
@@ -147,19 +154,23 @@ def _reap_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Reclaim now every lease of a worker process that died; each is reclaimed once, with "
         "its in-flight count. After a gap in heartbeats (a pause of Redis, or no process "
-        "alive) the processes unheard during it are on probation first."
+        "alive) the processes unheard during it are on probation first: `status` shows them "
+        "unheard."
     )
     parser.add_argument(
         "--wait",
         action="store_true",
-        help="wait out such a probation (at most half the longest lease ttl in use), then reap",
+        help="wait out such a probation (half the longest lease ttl in use: 10 s with the "
+        "default lease_ttl; at most that plus 5 s), then reclaim the leases of the processes "
+        "still unheard and forget them",
     )
 
 
 def _reap(args: argparse.Namespace) -> int:
     with open_balancer(args) as b:
         core = b.core()
-        n, limbo, listen = b.run(core.reap_all())
+        # As a tool: judged by the workers' lease ttls, and waiting for every unheard one.
+        n, limbo, listen = b.run(core.reap_all(tool=True))
         if limbo > 0 and args.wait:
             # After a gap in heartbeats (a pause of Redis, or no process alive) the holders
             # unheard during it are on probation: wait it out, calling so Redis hears this.
@@ -172,7 +183,7 @@ def _reap(args: argparse.Namespace) -> int:
             until = time.monotonic() + limbo + 5.0
             while limbo > 0 and time.monotonic() < until:
                 time.sleep(probation_wait(limbo, listen))
-                more, limbo, listen = b.run(core.reap_all())
+                more, limbo, listen = b.run(core.reap_all(tool=True))
                 n += more
         elif limbo > 0:
             print(

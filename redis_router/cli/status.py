@@ -33,8 +33,9 @@ CLEAR = "\033[H\033[2J"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
         "States: active (takes new sessions), full (holds its declared capacity: takes "
-        "nothing until a request ends), ejected (failing: takes nothing until its ejection "
-        "ends), draining (serves only its sticky sessions), "
+        "nothing until a request ends), failing (its last request or probe failed; it still "
+        "takes new sessions unless ejection is on), ejected (failing: takes nothing until its "
+        "ejection ends), draining (serves only its sticky sessions), "
         "drained (draining with nothing in flight: safe to remove). Leases of worker processes "
         "that died await reclaim: acquires and heartbeats take a few each, `redis-router reap` "
         "takes the rest. Reads only: nothing in Redis changes."
@@ -94,8 +95,10 @@ def render(snap: dict[str, Any], *, clock: str | None = None) -> str:
         ]
         lines.append("  ".join(cells).rstrip())
     lines.append(
-        f"{t['active']} active, {t['full']} full, {t['ejected']} ejected, {t['draining']} "
-        f"draining, {t['drained']} drained"
+        f"{t['active']} active, "
+        + (f"{t['failing']} failing, " if t["failing"] else "")
+        + f"{t['full']} full, {t['ejected']} ejected, {t['draining']} draining, "
+        f"{t['drained']} drained"
     )
     lines += health_lines(snap)
     lines += engine_lines(snap)
@@ -135,7 +138,10 @@ def health_lines(snap: dict[str, Any]) -> list[str]:
                 f"{r['ejections_in_a_row']} in a row): {r['ejected_why']}"
             )
         elif r.get("failures_in_a_row"):
-            out.append(f"failing {sid}: {r['failures_in_a_row']} failures in a row")
+            line = f"failing {sid}: {r['failures_in_a_row']} failures in a row"
+            if r.get("last_error") is not None:  # none from before versions that keep it
+                line += f", the last {r['last_error_age']:.1f} s ago: {r['last_error']}"
+            out.append(line)
     if "ejection" in snap:
         out.append(f"ejection: {snap['ejection']}")
     scoring = snap.get("engine_scoring")
@@ -188,7 +194,7 @@ def hints(snap: dict[str, Any]) -> list[str]:
     out = []
     if not replicas:
         out.append(f"no replicas: register one with `{cli} servers add ID --meta JSON`")
-    elif t["active"] == 0:
+    elif t["active"] + t.get("failing", 0) == 0:
         out.append("no replica takes new sessions: new sessions fail until one is undrained")
     drained = [sid for sid, r in replicas.items() if r["state"] == "drained"]
     if drained:
@@ -198,13 +204,19 @@ def hints(snap: dict[str, Any]) -> list[str]:
     waiting, dead = holders.get("awaiting_reclaim", 0), holders.get("dead", 0)
     if waiting > 0:
         out.append(f"{waiting} lease(s) of {dead} dead process(es) await reclaim: `{cli} reap`")
-    probation = holders.get("on_probation", 0)
-    if probation > 0:
+    unheard = holders.get("unheard", 0)
+    if unheard > 0:
         left = holders.get("probation_ms", 0) / 1000
-        out.append(
-            f"{probation} process(es) unheard during a gap in heartbeats (a pause of Redis, or "
-            f"no process alive) are on probation for {left:.1f}s more"
+        line = (
+            f"{unheard} process(es) unheard for {holders.get('unheard_ms', 0) / 1000:.1f}s (they "
+            f"exited, or Redis paused), holding {holders.get('unheard_leases', 0)} lease(s): on "
+            "probation, "
         )
+        if holders.get("probation_running"):
+            line += f"reclaimed in {left:.1f}s unless heard again"
+        else:  # no script that may reap has run since the gap: the next one starts it
+            line += f"reclaimed {left:.1f}s after a worker or `{cli} reap --wait` next calls"
+        out.append(line)
     return out
 
 
