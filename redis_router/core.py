@@ -895,10 +895,11 @@ class BalancerCore:
     def retire(self) -> Op[int]:
         """End this holder's leases now and let it leave (a closed balancer can no longer keep
         them alive), RETIRE_CHUNK per call; a call that never comes back leaves the holder
-        dead, its remaining leases to any reaper. Returns how many leases ended."""
+        dead, its remaining leases to any reaper. Its releases' ids expire with their window
+        even if no heartbeat ever timed their generation. Returns how many leases ended."""
         ended = 0
         while True:
-            _, n, more = yield Call(load("retire"), (self.holder, RETIRE_CHUNK))
+            _, n, more = yield Call(load("retire"), (self.holder, RETIRE_CHUNK, RESEND_WINDOW_MS))
             ended += int(n)
             if not int(more):
                 self.held.clear()

@@ -14,9 +14,10 @@
 --                             process) is alive while its heartbeats keep the deadline ahead
 --   P.."owned:"..h      ZSET  lease token -> acquired or renewed at (ms): the leases of holder h
 --   P.."remembered"     HASH  client-made operation ids of releases, packed: last three
---                             characters -> SEP..the rest of each id..SEP; P.."remembered:old"
---                             the generation before: a resent release finds its first copy
---                             here (lib/leases.lua; P.."released", P.."released:old", sets,
+--                             characters -> SEP..the rest of each id..SEP ("@" -> when a
+--                             heartbeat began it); P.."remembered:old" the generation
+--                             before: a resent release finds its first copy here; both
+--                             expire (lib/leases.lua; P.."released", P.."released:old", sets,
 --                             and P.."ended", P.."ended:old", hashes: earlier clients')
 --   P.."sticky:"..b     HASH  request id -> server id, sessions last seen in time bucket b
 --   P.."stickyn:"..b    HASH  server id -> sessions in bucket b (expires with it)
