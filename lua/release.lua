@@ -14,10 +14,11 @@
 -- Which    With a token, that lease (the token decides the replica). With a request id, the
 --          oldest lease of that request on that replica; with neither, the oldest lease on
 --          that replica. "?token" with a request id is a hint: the releasing process's own
---          lease of that request, ended if it is still there (no index lookup), else the
---          request's oldest lease on that replica; with SEP..request id, the same hint, else
---          the replica's oldest (a release by replica only that ends the process's own lease
---          when it has one). The client learns the token it ended.
+--          lease of that request, ended if it is still there (no index lookup), else nothing
+--          (it was reclaimed or ended: the request's other leases there are other processes'
+--          turns, I10); with SEP..request id, the same (a release by replica only that ends
+--          the process's own lease). The fallbacks (oldest) serve only a process that never
+--          held the request there: it sends no hint. The client learns the token it ended.
 -- Health   "!" first: the request failed, which counts toward ejecting its replica
 --          (lib/health.lua), once per lease; "+" first: it succeeded with ejection on, which
 --          ends the replica's failure streak.
@@ -32,7 +33,7 @@ if #ARGV > 4 then done, unowned = {}, {} end
 local function release(id, req, token, op)
   local rec, toks
   -- A request id after SEP: a release by replica only whose hint is the releasing process's
-  -- own lease of that request (checked as below); failing that, the replica's oldest.
+  -- own lease of that request (checked as below).
   local named = req
   if string.byte(req) == 31 then named, req = string.sub(req, 2), '' end
   if token ~= '' then
@@ -44,14 +45,14 @@ local function release(id, req, token, op)
     local field = hinted and rec and id .. SEP .. named .. SEP
     if field and string.sub(rec, 1, #field) ~= field then rec = nil end
     if not rec then
-      -- Not a lease (any more): ended by an earlier copy of this call, or by another.
+      -- Not a lease (any more): ended by an earlier copy of this call, or by another
+      -- (reclaimed, released). A hint's too: the releasing process held that request there,
+      -- so no other lease of it (another process's) is its to end.
       if was_released(op) then return 1 end
-      if not hinted then return 0 end
+      return 0
     end
-  elseif was_released(op) then
-    return 1
-  end
-  if not rec then
+  else
+    if was_released(op) then return 1 end
     if req ~= '' then
       -- Every token listed under a request index field has that field as its record's start.
       toks = redis.call('HGET', P .. 'byreq', id .. SEP .. req)

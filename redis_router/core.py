@@ -61,7 +61,8 @@ RECONCILE_MARGIN = 30.0
 # retries within ~15 s) reports the first copy's result and ends nothing else.
 RESEND_WINDOW_MS = 30_000
 # Before a token in a release, marks it as a hint: the lease this holder took for that request
-# on that replica, ended if it is still there, else the request's oldest lease there is.
+# on that replica, ended if it is still there, else nothing (it was reclaimed or ended: the
+# request's other leases there are other processes' turns).
 HINT = "?"
 # Before a request id: a release by replica only, hinting the process's own lease of that
 # request (release.lua, Which).
@@ -475,8 +476,13 @@ class BalancerCore:
         self.held: dict[str, float] = {}
         # (replica, request id) -> the token of this holder's latest lease of that request
         # there: a release by request id names it, so the script ends it without a lookup
-        # (a hint: the script falls back to the request index when that lease is gone).
+        # (a hint: when that lease is gone, reclaimed or ended, the release ends nothing, as
+        # the request's other leases there are other processes').
         self.latest: dict[tuple[str, str], str] = {}
+        # ... and the tokens of its earlier leases of that request there, still held when a
+        # later one was granted (oldest first): each is named in its turn once the latest is
+        # released, so a process that held a request there always sends a hint.
+        self.earlier: dict[tuple[str, str], list[str]] = {}
         # Tokens a release has named that Redis has not answered for yet: they have left
         # `held`, but the release may not have run, so reconcile() must not take them for
         # leases the process no longer holds (it would end one and the release find nothing).
@@ -644,7 +650,7 @@ class BalancerCore:
             sid, meta, how = yield Call(script, argv)
             sid = _str(sid)
             self.held[token] = time.monotonic()
-            self.latest[(sid, request_ids[0])] = token
+            self._granted((sid, request_ids[0]), token)
             return [Grant(sid, self.handle(sid, meta), request_ids[0], token, how == 1)]
         tokens = tokens or new_tokens(n)
         flat: list[Any] = list(head)
@@ -663,8 +669,29 @@ class BalancerCore:
                 map(_str, raw[0::3]), raw[1::3], raw[2::3], request_ids, tokens, strict=True
             )
         ]
-        self.latest.update(((g.server_id, g.request_id), g.token) for g in grants)
+        for g in grants:
+            self._granted((g.server_id, g.request_id), g.token)
         return grants
+
+    def _granted(self, key: tuple[str, str], token: str) -> None:
+        """``token`` is this holder's latest lease of request key[1] on replica key[0]; the one
+        it covers waits its turn in ``earlier``."""
+        covered = self.latest.get(key)
+        self.latest[key] = token
+        if covered is not None and covered != token:
+            self.earlier.setdefault(key, []).append(covered)
+
+    def _uncover(self, key: tuple[str, str]) -> None:
+        """The latest lease of ``key`` was named by a release: the one before it, still held,
+        is the latest now."""
+        stack = self.earlier.get(key)
+        while stack:
+            token = stack.pop()
+            if token in self.held:
+                self.latest[key] = token
+                break
+        if stack is not None and not stack:
+            self.earlier.pop(key, None)
 
     def group_of(self, request_id: str, fields: Mapping[str, Any]) -> str:
         """A request's group ("" = none): its ``group_id`` field, else its request id up to the
@@ -718,9 +745,10 @@ class BalancerCore:
         """The request id and token a release sends: its own token, else this holder's latest
         lease of the request there as a hint ("?token"), else none; without a request id, its
         oldest lease on that replica as a hint (so a process never ends another's lease while
-        its own stays counted; the script falls back to the replica's oldest). The lease
-        leaves the local ledger now, even if the call fails (reconcile() ends it then), and is
-        in `releasing` until answered."""
+        its own stays counted). A hint whose lease is gone ends nothing: only a process that
+        never held the request there (no hint) gets the request's, or replica's, oldest. The
+        lease leaves the local ledger now, even if the call fails (reconcile() ends it then),
+        and is in `releasing` until answered."""
         if not request_id and not token:
             # The ledger is in acquire order; a copy, as other threads may change it.
             held, latest = self.held, self.latest
@@ -728,6 +756,8 @@ class BalancerCore:
                 if key[0] == server_id and mine in held:
                     if latest.get(key) == mine:
                         latest.pop(key, None)
+                        if self.earlier:
+                            self._uncover(key)
                     held.pop(mine, None)
                     self.releasing.add(mine)
                     return BY_REPLICA + key[1], HINT + mine
@@ -737,14 +767,17 @@ class BalancerCore:
     def _token_named(self, server_id: str, request_id: str | None, token: str | None) -> str:
         if request_id:
             latest = self.latest
-            mine = latest.pop((server_id, request_id), None)
+            key = (server_id, request_id)
+            mine = latest.pop(key, None)
             if mine is not None:
+                if mine != token and token is not None:
+                    latest[key] = mine
+                elif self.earlier:
+                    self._uncover(key)
                 if token is None:
                     self.held.pop(mine, None)
                     self.releasing.add(mine)
                     return HINT + mine
-                if mine != token:
-                    latest[(server_id, request_id)] = mine
         if not token:
             return ""
         self.held.pop(token, None)
@@ -829,6 +862,10 @@ class BalancerCore:
         for key, token in latest.copy().items():
             if token not in held and latest.get(key) == token:
                 latest.pop(key, None)
+                self._uncover(key)
+        for key, stack in self.earlier.copy().items():
+            if not any(t in held for t in stack) and self.earlier.get(key) is stack:
+                self.earlier.pop(key, None)
         if not stale:
             return 0
         return int((yield Call(load("forget"), (self.holder, RECONCILE_GRACE_MS, *stale))))
@@ -903,14 +940,16 @@ class BalancerCore:
     def retire(self) -> Op[int]:
         """End this holder's leases now and let it leave (a closed balancer can no longer keep
         them alive), RETIRE_CHUNK per call; a call that never comes back leaves the holder
-        dead, its remaining leases to any reaper. Returns how many leases ended."""
+        dead, its remaining leases to any reaper. Its releases' ids expire with their window
+        even if no heartbeat ever timed their generation. Returns how many leases ended."""
         ended = 0
         while True:
-            _, n, more = yield Call(load("retire"), (self.holder, RETIRE_CHUNK))
+            _, n, more = yield Call(load("retire"), (self.holder, RETIRE_CHUNK, RESEND_WINDOW_MS))
             ended += int(n)
             if not int(more):
                 self.held.clear()
                 self.latest.clear()
+                self.earlier.clear()
                 return ended
 
     def add_servers(
@@ -1041,6 +1080,7 @@ class BalancerCore:
         self.handles.clear()
         self.held.clear()
         self.latest.clear()
+        self.earlier.clear()
         return int(n)
 
     def inflight(self, server_id: Any) -> Op[int]:

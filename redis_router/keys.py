@@ -95,9 +95,15 @@ REGISTRY: tuple[Key, ...] = (
         "remembered",
         "hash",
         "operation ids of releases a resent copy must recognise, packed: an id's last three "
-        "characters → `␟` then the rest of each id, each followed by `␟`; rotated every 30 s",
+        "characters → `␟` then the rest of each id, each followed by `␟`; `@` → when a "
+        "heartbeat began the generation; rotated every 30 s, expiring 60 s after its start "
+        "(a `close()` gives a generation no heartbeat began 60 s)",
     ),
-    Key("remembered:old", "hash", "the generation of `remembered` before the current one"),
+    Key(
+        "remembered:old",
+        "hash",
+        "the generation of `remembered` before the current one, expiring 30 s after the rotation",
+    ),
     # -- sessions -----------------------------------------------------------------------
     Key(
         "sticky:<b>",

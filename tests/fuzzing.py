@@ -8,7 +8,9 @@ request, by replica only), renew, change the pool, clear sticky sessions, run lo
 lease_ttl (their leases must stay), die (``invariants.silence``: their leases must come back
 exactly once, counted in ``reclaimed``, through reap, a heartbeat or the other processes'
 keepers, while acquires route on counts that may or may not still hold them), close (their
-leases are reclaimable at once) and meet faults: a server stalled past the client's timeout
+leases are reclaimable at once), lose their network past lease_ttl and release late (their
+leases reclaimed and their requests' next turns taken by others: the late releases end
+nothing of those) and meet faults: a server stalled past the client's timeout
 (commands resent), connections dropped between calls and killed while a command waits.
 
 Timing: a dead holder's deadline is read from Redis when it dies, so the machine knows to
@@ -71,6 +73,7 @@ STALL = 2 * TIMEOUT
 STALL_EVERY = 200  # operations per stall, at most (each costs STALL)
 PAUSE = 1.2 * LEASE_TTL  # processes live this long without a call, their keepers beating
 PAUSE_EVERY = 400  # operations per pause, at most
+PARTITION_EVERY = 400  # operations per partitioned process (each waits out its lease_ttl)
 # The server itself stops (SIGSTOP) for longer than lease_ttl, then goes on: live holders are
 # on probation, not dead (lib/base.lua liveness()), and keep every lease.
 SERVER_PAUSE = 1.5 * LEASE_TTL
@@ -115,6 +118,8 @@ class Stats:
     sequences: int = 0
     deaths: int = 0  # processes whose heartbeats stopped
     closes: int = 0
+    partitions: int = 0  # processes whose heartbeats stopped while they lived, then released
+    late: int = 0  # ... their releases after their leases were reclaimed
     reclaims: int = 0  # reclaims of dead holders' leases, and leases reclaimed
     reclaimed: int = 0
     probations: int = 0  # reclaims that waited out a probation (the machine stalled)
@@ -134,7 +139,8 @@ class Stats:
     def line(self) -> str:
         return (
             f"{self.operations} operations in {self.sequences} sequences; "
-            f"{self.deaths} deaths, {self.closes} closes, {self.reclaimed} leases reclaimed in "
+            f"{self.deaths} deaths, {self.closes} closes, {self.partitions} partitions "
+            f"({self.late} late releases), {self.reclaimed} leases reclaimed in "
             f"{self.reclaims} reclaims ({self.probations} after a probation), {self.pauses} "
             f"pauses past lease_ttl, "
             f"{self.server_pauses} server pauses and {self.restarts} restarts past lease_ttl, "
@@ -188,9 +194,14 @@ class Process:
     def beating(self) -> bool:
         return self.lb._keeper is not None
 
-    def silence(self) -> None:
+    def partition(self) -> None:
+        """The process's network fails: its heartbeats stop; it lives, and so do its
+        connections (the network heals before it calls again)."""
         if self.lb._keeper is not None:
             invariants.silence(self.lb)
+
+    def silence(self) -> None:
+        self.partition()
         self.lb._client.close()  # the process is gone; its holder is not retired
 
     def close(self) -> None:
@@ -216,7 +227,7 @@ class AsyncProcess(Process):
     def beating(self) -> bool:
         return self.lb._keeper is not None and not self.lb._keeper.done()
 
-    def silence(self) -> None:
+    def partition(self) -> None:
         async def stop() -> None:
             # Detached first, as close() does: the keeper checks that it is still wanted, since
             # a cancel can be lost (before Python 3.12) and awaiting it would then hang.
@@ -225,9 +236,12 @@ class AsyncProcess(Process):
                 keeper.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await keeper
-            await self.lb._client.aclose()
 
         self.loop.run(stop())
+
+    def silence(self) -> None:
+        self.partition()
+        self.loop.run(self.lb._client.aclose())
 
     def close(self) -> None:
         try:
@@ -733,17 +747,20 @@ class BalancerMachine(RuleBasedStateMachine):
 
     def _release_by_server(self, p: Process, sid: str, release: Any) -> None:
         """A release by replica only ends the process's own lease there when its ledger has
-        one still there, else the replica's oldest."""
+        one there (none if that lease is gone), else the replica's oldest."""
         core = p.lb._core
         rid, mine = next(
             ((r, t) for (s, r), t in core.latest.copy().items() if s == sid and t in core.held),
             (None, None),
         )
-        lease = self.model.leases.get(mine) if mine else None
-        # The hint holds while the token is a lease of that request there (whoever holds it:
-        # a token can be granted again by a retry); else the replica's oldest ends.
-        if lease is None or (lease.server_id, lease.request_id) != (sid, rid):
+        if mine is None:
             self._release_oldest(sid, release())
+            return
+        lease = self.model.leases.get(mine)
+        # The hint holds while the token is a lease of that request there (whoever holds it:
+        # a token can be granted again by a retry); else nothing ends.
+        if lease is None or (lease.server_id, lease.request_id) != (sid, rid):
+            assert not release()
             return
         assert release()
         assert self._still_leases([mine]) == []
@@ -829,6 +846,57 @@ class BalancerMachine(RuleBasedStateMachine):
     def a_process_closes_its_balancer(self, who: int) -> None:
         self._ready()
         self._die(self.proc(who), closing=True)
+
+    @rule(who=st.integers(0, 7), kinds=st.lists(st.integers(0, 2), min_size=1, max_size=4))
+    def a_partitioned_process_releases_late(self, who: int, kinds: list[int]) -> None:
+        """A process's network fails (its heartbeats stop, the process lives) past lease_ttl:
+        its leases are reclaimed and the others take its requests' next turns, sticky. When
+        the network heals it releases each request it held (by lease, by request id, by
+        replica only): each ends nothing of the others' leases (the model says what ends, I1),
+        and no replica goes past its capacity (I10). Then it closes."""
+        p = self.proc(who)
+        leases = [(t, self.model.leases[t]) for t in self.model.tokens_of(p.holder)]
+        if not leases or not self._due("partitions", PARTITION_EVERY):
+            return
+        # No other dying holder may come due while this one's leases go.
+        self._ready(LEASE_TTL + KEEPERS_WAIT + 2 * STEP)
+        self.procs.remove(p)
+        self.procs.append(self.spawn(PROCESSES - 1 if p.impatient else 0))
+        p.partition()
+        time.sleep(MARGIN)  # a heartbeat written as its keeper stopped has run
+        self.stats.partitions += 1
+        deadline, now = self.r.zscore(self.p + "holders", p.holder), self._redis_ms()
+        assert deadline is not None
+        time.sleep(max(0.0, (deadline - now) / 1000) + MARGIN)
+        self._reclaim([p])
+        for i, (_, lease) in enumerate(leases):  # the requests' next turns, elsewhere
+            self._acquire(self.proc(who + i), [lease.request_id])
+        # The network heals: late releases, by lease, then by request id, then by replica only
+        # (one of each style per request, so each names a lease of the process's own).
+        late = sorted((kinds[i % len(kinds)], i) for i in range(len(leases)))
+        core = p.lb._core
+        for kind, i in late:
+            token, lease = leases[i]
+            sid, rid = lease.server_id, lease.request_id
+            self.stats.late += 1
+            if kind == 0:
+                done = self._call(p.run, core.release(sid, rid, token))[0]
+                assert not done and not self.model.release_token(token)
+            elif kind == 1:
+                mine = core.latest.get((sid, rid))
+                assert mine is not None, "a process that held the request sends no hint"
+                ends = self.model.ended_by_request(sid, rid, mine)
+                assert self._call(p.call, "release_server", sid, rid)[0] == (ends is not None)
+                if ends is not None:  # a lease another process took with one of its tokens
+                    self.model.release_token(ends)
+                    self.gone.append(ends)
+            else:
+                assert any(s == sid and t in core.held for (s, _), t in core.latest.items())
+                self._release_by_server(
+                    p, sid, lambda s=sid: self._call(p.call, "release_server", s)[0]
+                )
+            assert invariants.check(self.r, self.name) == self.model.counts()
+        p.close()
 
     @rule(n=st.integers(0, 7))
     def every_process_closes(self, n: int) -> None:

@@ -291,12 +291,15 @@ class Model:
 
     def ended_by_request(self, server_id: str, request_id: str, mine: str | None) -> str | None:
         """The lease a release by request id ends when the releasing balancer names ``mine``
-        (its last lease of that request there, its hint): that one while it lasts, else the
-        request's oldest there."""
-        lease = self.leases.get(mine) if mine else None
+        (its last lease of that request there, its hint): that one while it lasts, else none
+        (the request's other leases there are other processes' turns); without a hint (it
+        never held the request there), the request's oldest there."""
+        if mine is None:
+            return self.first_of_request(server_id, request_id)
+        lease = self.leases.get(mine)
         if lease is not None and (lease.server_id, lease.request_id) == (server_id, request_id):
             return mine
-        return self.first_of_request(server_id, request_id)
+        return None
 
     def request_candidates(self, server_id: str, request_id: str, holder: str) -> set[str]:
         """The leases a release by request id from ``holder`` may end when its hint is not

@@ -2,10 +2,11 @@
 against a real server and tests/model.py (the machine is tests/fuzzing.py).
 
 Processes acquire, release (also as failed requests, which eject replicas), renew, change the
-pool (also declaring capacities) and clear sticky sessions; they live long
-past lease_ttl (their leases stay), die (their leases come back exactly once, counted), close,
-and meet stalls past the client's timeout (resent commands) and dropped connections. Every
-reply, the counts, the reclaimed counters and the raw keys are checked against the model.
+pool (also declaring capacities) and clear sticky sessions; they live long past lease_ttl
+(their leases stay), die (their leases come back exactly once, counted), close, lose their
+network past lease_ttl and release late (ending nothing of the others'), and meet stalls past
+the client's timeout (resent commands) and dropped connections. Every reply, the counts, the
+reclaimed counters and the raw keys are checked against the model.
 Runs on the first server binary only, in about a minute.
 """
 
@@ -75,6 +76,7 @@ def test_processes_sharing_a_balancer_never_diverge_from_the_model(
     assert stats.operations >= operations
     if operations >= MIN_OPERATIONS:
         assert stats.deaths and stats.closes and stats.reclaimed and stats.pauses
+        assert stats.partitions and stats.late
         assert stats.resent and stats.drops and stats.kills
         assert stats.ejections and stats.capped and stats.full
 

@@ -120,7 +120,11 @@ class AsyncMachine(BalancerMachine):
         # The process's ledger as the turn starts: a release by replica only hints its own
         # lease of a request there, which may be another holder's by now (a token granted
         # again by a retry).
-        self.ledger = dict(lb._core.latest)
+        core = lb._core
+        self.ledger = [
+            *core.latest.items(),
+            *((k, t) for k, ts in core.earlier.items() for t in ts),
+        ]
         outcomes, t0, t1 = self._call(self.loop.run, turn())
         self.stats.operations += len(calls) - 1
         self.stats.batches += 1
@@ -216,11 +220,12 @@ def _released(
     releases: list[tuple[str, str, str | None, str | None]],
     got: list[Any],
     holder: str,
-    ledger: dict[tuple[str, str], str],
+    ledger: list[tuple[tuple[str, str], str]],
 ) -> list[Model]:
     """Apply the release batch, in order, to each model; a release by replica only, or by
     request id (each names the releasing balancer's own lease, if it has one), branches
-    over its candidates. Keeps the models whose every reply matches."""
+    over its candidates, and ends nothing where the lease it names may be gone. Keeps the
+    models whose every reply matches."""
     for (kind, sid, rid, token), done in zip(releases, got, strict=True):
         after: list[Model] = []
         for m in models:
@@ -234,12 +239,26 @@ def _released(
                     else m.server_candidates(sid, holder)
                     | {
                         t
-                        for (s, r), t in ledger.items()
+                        for (s, r), t in ledger
                         if s == sid
                         and t in m.leases
                         and (m.leases[t].server_id, m.leases[t].request_id) == (s, r)
                     }
                 )
+                # A lease of its ledger there that is gone (ended by another process): its
+                # hint, which ends nothing.
+                stale = any(
+                    s == sid
+                    and (kind == "server" or r == rid)
+                    and (
+                        t not in m.leases
+                        or (m.leases[t].server_id, m.leases[t].request_id) != (s, r)
+                    )
+                    for (s, r), t in ledger
+                )
+                if not done and stale:
+                    after.append(m)
+                    continue
                 if done != bool(candidates):
                     continue
                 if not candidates:

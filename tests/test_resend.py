@@ -166,7 +166,7 @@ def test_a_resent_release_by_request_id_from_another_process_ends_one_lease(impa
     assert invariants.check(r, lb.name) == {"s0": 0}
 
 
-def test_a_release_by_request_id_whose_own_lease_is_gone_ends_the_requests_other_one(make_lb, r):
+def test_a_release_by_request_id_whose_own_lease_is_gone_ends_nothing(make_lb, r):
     a = make_lb({"s0": None})
     b = make_lb({"s0": None}, name=a.name)
     a.acquire_server("req")
@@ -176,8 +176,9 @@ def test_a_release_by_request_id_whose_own_lease_is_gone_ends_the_requests_other
     a.acquire_server("req")
     b.acquire_server("req")
     assert b._run(b._core.release("s0", "req", a._core.latest[("s0", "req")]))  # a's, by token
-    assert a.release_server("s0", "req")  # a's own lease is gone: the request's other one ends
-    assert b.get_inflight_count("s0") == 0 and not b.release_server("s0", "req")
+    # a's own lease is gone: the request's other one is b's turn, not a's to end
+    assert not a.release_server("s0", "req")
+    assert b.get_inflight_count("s0") == 1 and b.release_server("s0", "req")
     assert invariants.check(r, a.name) == {"s0": 0}
 
 
@@ -195,9 +196,12 @@ def _rotations(lb: RedisLoadBalancer, r: redis.Redis) -> Callable[[], None]:
 
 def remembered(r: redis.Redis, key: str) -> set[str]:
     """The operation ids a generation of remembered releases holds: each field (an id's last
-    three characters) holds the rest of each of its ids between separators."""
+    three characters) holds the rest of each of its ids between separators; "@" marks a
+    generation a heartbeat began."""
     ids = set()
     for field, packed in r.hgetall(key).items():
+        if field == "@":
+            continue
         assert packed.startswith(invariants.SEP) and packed.endswith(invariants.SEP), packed
         ids.update(rest + field for rest in packed[1:-1].split(invariants.SEP))
     return ids
@@ -206,7 +210,7 @@ def remembered(r: redis.Redis, key: str) -> set[str]:
 def test_release_keys_are_remembered_a_window_and_forgotten_after_two(make_lb, r, monkeypatch):
     """A release's operation id is recognised across one rotation of the remembered keys
     (a resend within the window) and gone after the next: memory stays bounded, and an idle
-    balancer keeps none."""
+    balancer keeps none (only its generations' marks, which expire)."""
     monkeypatch.setattr(core, "RESEND_WINDOW_MS", 60_000)
     lb = make_lb({"s0": None})
     done, old = lb._core.prefix + "remembered", lb._core.prefix + "remembered:old"
@@ -224,15 +228,46 @@ def test_release_keys_are_remembered_a_window_and_forgotten_after_two(make_lb, r
     lb._run(lb._core.heartbeat())  # within the window: nothing moves
     assert remembered(r, done) == {"op-1"} and release_op_1() == [1]
     rotate()  # op-1 is in the old generation, still recognised
-    assert not r.exists(done) and remembered(r, old) == {"op-1"} and release_op_1() == [1]
+    assert remembered(r, done) == set() and remembered(r, old) == {"op-1"}
+    assert release_op_1() == [1]
     lb.acquire_server("a")
     assert lb._run(op("op-2")) != [0]
     rotate()  # op-1's generation is dropped, op-2's is now the old one
-    assert not r.exists(done) and remembered(r, old) == {"op-2"}
+    assert remembered(r, done) == set() and remembered(r, old) == {"op-2"}
     assert release_op_1() == [0]
-    rotate()  # nothing released since: both generations are gone
-    assert not r.exists(done, old)
+    rotate()  # nothing released since: both generations hold no id
+    assert remembered(r, done) == set() and remembered(r, old) == set()
     assert invariants.check(r, lb.name) == {"s0": 0}
+
+
+def test_remembered_releases_expire_within_two_windows_of_the_last_process(make_lb, r):
+    """Both generations of remembered releases expire by themselves: after releases and
+    close() of the last process, each has an expiry that keeps its ids their window (30 s)
+    and ends within two, whether a heartbeat began the generation or not."""
+    window = core.RESEND_WINDOW_MS
+
+    def releases(lb: RedisLoadBalancer, n: int) -> None:
+        for sid, rid in [(lb.acquire_server(f"r{i}")[0], f"r{i}") for i in range(n)]:
+            lb.release_server(sid, rid)
+
+    # A process that closes before its first heartbeat (lease_ttl / 4 from its first acquire).
+    lb = make_lb({"s0": None, "s1": None}, lease_ttl=3600)
+    done = lb._core.prefix + "remembered"
+    releases(lb, 200)
+    assert r.pttl(done) == -1  # no heartbeat has begun (and timed) this generation
+    lb.close()
+    assert window < r.pttl(done) <= 2 * window
+    # A generation a heartbeat began, and the one before it.
+    lb = make_lb({"s0": None, "s1": None}, lease_ttl=3600)
+    done, old = lb._core.prefix + "remembered", lb._core.prefix + "remembered:old"
+    releases(lb, 100)
+    _rotations(lb, r)()
+    assert len(remembered(r, old)) == 100 and window - 10_000 < r.pttl(old) <= window
+    releases(lb, 100)
+    lb.close()
+    assert len(remembered(r, done)) == 100 and window < r.pttl(done) <= 2 * window
+    assert 0 < r.pttl(old) <= window
+    assert invariants.check(r, lb.name) == {"s0": 0, "s1": 0}
 
 
 def test_remembered_ids_that_share_a_field_are_each_recognised_and_no_other(make_lb, r):
@@ -246,7 +281,7 @@ def test_remembered_ids_that_share_a_field_are_each_recognised_and_no_other(make
         one = ("s0", rid, "", key)
         assert lb._run(iter_call(one)) != [0]
     assert remembered(r, lb._core.prefix + "remembered") == set(ids)
-    assert r.hlen(lb._core.prefix + "remembered") == 1
+    assert set(r.hkeys(lb._core.prefix + "remembered")) - {"@"} == {"xyz"}
     more = ["Pxyz1", "Qxyz1", "Rxy", "S"]  # two share field "yz1"; ids of 3 and 1 characters
     batch = [("s0", rid, "", key) for rid, key in zip("efgh", more, strict=True)]
     for _, rid, _, _ in batch:
@@ -328,7 +363,7 @@ def test_a_hint_whose_token_was_granted_again_for_another_request_ends_nothing_o
     assert b.release_server("s0", "req")  # ends a's lease: a still names it for "req"
     assert a.acquire("other", token=token).request_id == "other"  # the token, granted anew
     b.acquire_server("req")
-    assert a.release_server("s0", "req")  # the hint is another request's lease now: b's ends
-    assert a.get_inflight_count("s0") == 1
-    assert a.release_server("s0", "other") and not a.release_server("s0", "req")
+    assert not a.release_server("s0", "req")  # the hint is another request's lease now
+    assert a.get_inflight_count("s0") == 2
+    assert a.release_server("s0", "other") and b.release_server("s0", "req")
     assert invariants.check(r, a.name) == {"s0": 0}

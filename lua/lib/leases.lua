@@ -78,9 +78,13 @@ end
 -- of its field's entry: a few times less than a set member, which takes a table entry and
 -- slot of its own (benchmarks/release_records.py). A heartbeat retires the current
 -- generation once it is `remember` ms old (rotate_released), so a key is recognised for at
--- least `remember` ms and at most about twice that (plus a heartbeat period), and an idle
--- balancer's generations are gone within two windows. The generation's start is the
--- P.."clock" field "remembered". Operation ids never hold SEP.
+-- least `remember` ms and at most about twice that (plus a heartbeat period). The generation's
+-- start is the P.."clock" field "remembered". Both generations expire by themselves, so they
+-- are gone within two windows of the last heartbeat (the last process closed or died): the
+-- rotation makes the new one, marked by its field "@" (never an id's: ids are base64url), to
+-- expire two windows on (a release's HSET keeps that), and gives the old one a window more
+-- from then, which its last id is due. Releases pay nothing for it. Operation ids never hold
+-- SEP.
 
 -- An operation id as packed: its field (the last three characters) and the rest.
 local function packed(op)
@@ -163,14 +167,28 @@ end
 local function rotate_released(now, remember)
   local since = redis.call('HGET', P .. 'clock', 'remembered')
   if since and now - tonumber(since) < remember then return end
+  local key, old = P .. 'remembered', P .. 'remembered:old'
   if since then
-    redis.call('UNLINK', P .. 'remembered:old') -- freed in the background: it may be large
-    if redis.call('EXISTS', P .. 'remembered') == 1 then
-      redis.call('RENAME', P .. 'remembered', P .. 'remembered:old')
+    redis.call('UNLINK', old) -- freed in the background: it may be large
+    if redis.call('EXISTS', key) == 1 then
+      redis.call('RENAME', key, old)
+      redis.call('PEXPIRE', old, int(remember))
     end
     retire_earlier(now, remember)
   end
+  redis.call('HSET', key, '@', int(now))
+  redis.call('PEXPIRE', key, int(2 * remember))
   redis.call('HSET', P .. 'clock', 'remembered', int(now))
+end
+
+-- A generation that releases made where no rotation timed it (before the balancer's first
+-- heartbeat, or after the last rotation's expiry passed) expires two windows from now, as a
+-- rotation's would (retire.lua: a process may close before its first heartbeat).
+local function expire_remembered(remember)
+  local since = redis.call('HGET', P .. 'clock', 'remembered')
+  if not since or now_ms() - tonumber(since) >= 2 * remember then
+    redis.call('PEXPIRE', P .. 'remembered', int(2 * remember))
+  end
 end
 
 -- Reclaim the leases of dead holders (deadline at most `horizon`, liveness() in lib/base: the
