@@ -169,6 +169,19 @@ def scrub(text: str, url: str) -> str:
     return text
 
 
+def shown_metadata(value: Any) -> Any:
+    """A replica's metadata as status output shows it: every URL in it (a replica's own, e.g.
+    ``http://user:password@host:8000``) redacted; the balancer keeps the value as stored, since
+    the worker and ``serve`` need its credentials to reach the replica."""
+    if isinstance(value, str):
+        return redact(value) if "://" in value else value
+    if isinstance(value, dict):
+        return {k: shown_metadata(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [shown_metadata(v) for v in value]
+    return value
+
+
 def resolve_url(url: str | None) -> str:
     return url or os.environ.get("REDIS_URL") or DEFAULT_URL
 

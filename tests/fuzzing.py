@@ -596,9 +596,10 @@ class BalancerMachine(RuleBasedStateMachine):
         return raw, Prompt(len(raw), tuple(hashes), first)
 
     def fields(self, index: int) -> dict[str, Any]:
-        """The request fields of prompt ``index`` (none for no prompt)."""
+        """The request fields of prompt ``index`` (none for no prompt, or for the core's
+        policy, which reads no prompt and refuses a keyword it does not declare)."""
         raw = PROMPTS[index % len(PROMPTS)]
-        return {} if raw is None else {"prompt_ids": raw}
+        return {} if raw is None or self.router == "core" else {"prompt_ids": raw}
 
     def acquire_op(
         self, proc: Process, rids: list[str], tokens: list[str], prompts: list[Any]

@@ -166,3 +166,32 @@ def test_serve_takes_its_balancer_from_a_router_yaml_and_flags_win(tmp_path, mon
         balancer_options(args_of("serve", "--router-config", str(not_a_balancer)))
     with pytest.raises(CliError, match="KEY=VALUE"):
         balancer_options(args_of("serve", "--option", "block_size"))
+
+
+def test_a_503_says_whether_retrying_can_help() -> None:
+    """Every error that stops a request from being routed is a 503 (serve, the transports):
+    with Retry-After while waiting can help, without it for a Redis that refuses the
+    credentials or whose host does not resolve."""
+    from redis_router.errors import (
+        CredentialsRefused,
+        NoCapacity,
+        NoServersAvailable,
+        PoolExhausted,
+        RedisUnavailable,
+        ReplicaEjected,
+        UnknownRedisHost,
+    )
+    from redis_router.http.routing import NOT_ROUTED, refusal
+
+    cases = {
+        NoServersAvailable("empty"): ("1", "no_servers_available"),
+        NoCapacity("full"): ("1", "no_capacity"),
+        ReplicaEjected("ejected", "r0", 2.5): ("3", "replica_ejected"),
+        RedisUnavailable("down"): ("1", "redis_unavailable"),
+        PoolExhausted("busy"): ("1", "pool_exhausted"),
+        CredentialsRefused("refused"): (None, "redis_config_error"),
+        UnknownRedisHost("unknown"): (None, "redis_config_error"),
+    }
+    for exc, answer in cases.items():
+        assert isinstance(exc, NOT_ROUTED)
+        assert refusal(exc) == answer, exc

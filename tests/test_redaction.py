@@ -220,3 +220,31 @@ def test_cli_error_for_an_unreachable_url_hides_the_password(form, how):
     assert line.startswith("redis-router: error: ") and "\n" not in line, proc.stderr
     assert "***" in line
     assert_hidden(line)
+
+
+def test_status_never_shows_a_replicas_credentials(server) -> None:
+    """A replica registered with credentials in its URL (as a metadata field or as a plain
+    URL string): status, status --json and the health lines show it without them."""
+    lb = RedisLoadBalancer(
+        {
+            "a": {"url": "http://ops:s3cret-a@127.0.0.1:1/v1", "dp": [1]},
+            "b": "http://ops:s3cret-b@127.0.0.1:2",
+        },
+        redis=server.url,
+        name="metas",
+    )
+    try:
+        table = run_cli("--name", "metas", "status", redis=server.url)
+        as_json = run_cli("--name", "metas", "status", "--json", redis=server.url)
+        for proc in (table, as_json):
+            assert proc.returncode == 0, proc.stderr
+            assert "s3cret" not in proc.stdout + proc.stderr
+        shown = json.loads(as_json.stdout)["replicas"]
+        assert shown["a"]["metadata"] == {"url": "http://ops:***@127.0.0.1:1/v1", "dp": [1]}
+        assert shown["b"]["metadata"] == {"url": "http://ops:***@127.0.0.1:2"}
+        assert "127.0.0.1:2" in table.stdout
+        # The balancer keeps what was registered: a worker needs the credentials.
+        assert lb.get_status()["replicas"]["a"]["metadata"]["url"].startswith("http://ops:s3cret")
+    finally:
+        lb.destroy()
+        lb.close()

@@ -15,7 +15,15 @@ from typing import Any, NamedTuple
 from redis import exceptions as rx
 
 from .. import dp, health, validation
-from ..connection import config_error, connect, redact, resolve_url, send_failure, unavailable
+from ..connection import (
+    config_error,
+    connect,
+    redact,
+    resolve_url,
+    send_failure,
+    shown_metadata,
+    unavailable,
+)
 from ..core import OPTION_DEFAULTS, BalancerCore, Call, Op, T, build_core
 from ..errors import RedisConfigError, RedisUnavailable
 from ..invoke import Sender
@@ -274,7 +282,7 @@ def snapshot(balancer: Balancer) -> dict[str, Any]:
         replicas[sid] = {"state": state_of(r), "draining": r["draining"]}
         replicas[sid].update({f: r[f] for f in REPLICA_FIELDS})
         replicas[sid].update({f: r[f] for f in HEALTH_FIELDS})
-        replicas[sid]["metadata"] = r["metadata"]
+        replicas[sid]["metadata"] = shown_metadata(r["metadata"])
         if r.get("engine") is not None:  # the engine's own figures (redis-router load)
             replicas[sid]["engine"] = r["engine"]
     states = [r["state"] for r in replicas.values()]

@@ -16,16 +16,16 @@ from multidict import CIMultiDict
 from .. import dp
 from ..aio import AsyncRedisLoadBalancer
 from ..connection import hide_userinfo, redact, scrub
-from ..errors import NoCapacity, NoServersAvailable, RedisUnavailable, ReplicaEjected
 from .routing import (
     GENERATION_PATHS,
+    NOT_ROUTED,
     REQUEST_ID_HEADER,
     BadRequest,
     SessionRule,
     error_body,
     parse_json,
+    refusal,
     replica_url,
-    retry_after,
     retry_ids,
 )
 
@@ -109,7 +109,7 @@ class Handlers:
         """The union of the replicas' /v1/models (each asked at once, within a timeout)."""
         try:
             status = await self.balancer.get_status()
-        except RedisUnavailable as exc:
+        except NOT_ROUTED as exc:
             return self._unavailable(request.path, exc)
         urls = [
             u for r in status["replicas"].values() if (u := replica_url(r["metadata"])) is not None
@@ -139,7 +139,7 @@ class Handlers:
         """200 while Redis answers (the replicas' health is the balancer's ejection)."""
         try:
             replicas = await self.balancer.get_all_servers()
-        except RedisUnavailable as exc:
+        except NOT_ROUTED as exc:
             return self._unavailable(request.path, exc)
         body = {"status": "ok", "balancer": self.balancer.name, "replicas": len(replicas)}
         return web.json_response(body)
@@ -176,7 +176,7 @@ class Handlers:
             return self.error(path, 400, str(exc), "invalid_request_error", param=exc.param)
         except (TypeError, ValueError) as exc:
             return self.error(path, 400, str(exc), "invalid_request_error", param="rid")
-        except RedisUnavailable as exc:
+        except NOT_ROUTED as exc:
             return self._unavailable(path, exc)
         if owner is None:
             return self.error(
@@ -209,7 +209,7 @@ class Handlers:
     async def workers(self, request: web.Request) -> web.Response:
         try:
             status = await self.balancer.get_status()
-        except RedisUnavailable as exc:
+        except NOT_ROUTED as exc:
             return self._unavailable(request.path, exc)
         rows = [
             {
@@ -242,7 +242,7 @@ class Handlers:
             return self.error(path, 400, str(exc), "invalid_request_error", param=exc.param)
         except (TypeError, ValueError) as exc:
             return self.error(path, 400, str(exc), "invalid_request_error")
-        except RedisUnavailable as exc:
+        except NOT_ROUTED as exc:
             return self._unavailable(path, exc)
         self._count(path, 200)
         return web.json_response(
@@ -271,7 +271,7 @@ class Handlers:
                 await self.balancer.remove_servers([sid])
         except (TypeError, ValueError) as exc:
             return self.error(path, 400, str(exc), "invalid_request_error", param="id")
-        except RedisUnavailable as exc:
+        except NOT_ROUTED as exc:
             return self._unavailable(path, exc)
         self._count("/workers", 200)
         return web.json_response({"id": sid, "draining" if drain else "removed": True})
@@ -330,15 +330,10 @@ class Handlers:
 
     def _unavailable(self, path: str, exc: Exception) -> web.Response:
         """503: an empty or full pool, an ejected sticky replica, or Redis out of reach."""
-        if isinstance(exc, ReplicaEjected):
-            wait, kind = retry_after(exc.seconds_left), "replica_ejected"
-        elif isinstance(exc, NoCapacity):
-            wait, kind = "1", "no_capacity"
-        elif isinstance(exc, NoServersAvailable):
-            wait, kind = "1", "no_servers_available"
-        else:
-            wait, kind = "1", "redis_unavailable"
-        return self.error(path, 503, str(exc), kind, headers={"Retry-After": wait})
+        wait, kind = refusal(exc)
+        return self.error(
+            path, 503, str(exc), kind, headers={"Retry-After": wait} if wait else None
+        )
 
     def _count(self, path: str, status: int) -> None:
         if self.metrics is not None:

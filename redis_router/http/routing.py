@@ -19,6 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import validation
+from ..errors import (
+    NoCapacity,
+    NoServersAvailable,
+    PoolExhausted,
+    RedisConfigError,
+    RedisUnavailable,
+    ReplicaEjected,
+)
 
 # The generation endpoints (OpenAI's and SGLang's); every other path is forwarded unparsed.
 CHAT = "/v1/chat/completions"
@@ -270,6 +278,27 @@ def replica_url(handle: Any) -> str | None:
 def retry_after(seconds: float) -> str:
     """A Retry-After value (whole seconds, at least 1)."""
     return str(max(1, math.ceil(seconds))) if math.isfinite(seconds) else "1"
+
+
+# What a 503 answers: the balancer could not route the request now (an empty or full pool, an
+# ejected sticky replica), or could not reach Redis (down, refusing the credentials, its
+# host unknown, or every connection of the pool busy).
+NOT_ROUTED = (NoServersAvailable, RedisUnavailable, RedisConfigError, PoolExhausted)
+
+
+def refusal(exc: Exception) -> tuple[str | None, str]:
+    """A 503's Retry-After (None: retrying will not help) and error code for ``exc``."""
+    if isinstance(exc, ReplicaEjected):
+        return retry_after(exc.seconds_left), "replica_ejected"
+    if isinstance(exc, NoCapacity):
+        return "1", "no_capacity"
+    if isinstance(exc, NoServersAvailable):
+        return "1", "no_servers_available"
+    if isinstance(exc, RedisConfigError):
+        return None, "redis_config_error"
+    if isinstance(exc, PoolExhausted):
+        return "1", "pool_exhausted"
+    return "1", "redis_unavailable"
 
 
 def _part(p: Any) -> str:

@@ -47,7 +47,14 @@ from .handlers import (
     pass_headers,
     to_replica,
 )
-from .routing import GENERATION_PATHS, BadRequest, Route, replica_url, route_request
+from .routing import (
+    GENERATION_PATHS,
+    NOT_ROUTED,
+    BadRequest,
+    Route,
+    replica_url,
+    route_request,
+)
 
 __all__ = ["Front", "ServeOptions", "running"]
 
@@ -158,7 +165,7 @@ class Front(Handlers):
                     lease = await self.balancer.acquire(
                         route.request_id, wait=self.options.wait, exclude=avoid or None, **fields
                     )
-                except (NoServersAvailable, RedisUnavailable) as exc:
+                except NOT_ROUTED as exc:
                     if avoid and type(exc) is NoServersAvailable:  # each one left failed it
                         why += "; no other replica takes new sessions"
                         break

@@ -35,19 +35,18 @@ import httpx
 from .. import dp
 from ..errors import (
     ConfigMismatch,
-    NoCapacity,
     NoServersAvailable,
     RedisUnavailable,
-    ReplicaEjected,
 )
 from .routing import (
     DEFAULT_SESSION_HEADER,
+    NOT_ROUTED,
     BadRequest,
     Route,
     SessionRule,
     error_body,
+    refusal,
     replica_url,
-    retry_after,
     route_request,
 )
 
@@ -99,15 +98,8 @@ def _answer(status: int, message: str, kind: str, **extra: Any) -> httpx.Respons
 
 
 def _unavailable(exc: Exception) -> httpx.Response:
-    if isinstance(exc, ReplicaEjected):
-        wait, kind = retry_after(exc.seconds_left), "replica_ejected"
-    elif isinstance(exc, NoCapacity):
-        wait, kind = "1", "no_capacity"
-    elif isinstance(exc, NoServersAvailable):
-        wait, kind = "1", "no_servers_available"
-    else:
-        wait, kind = "1", "redis_unavailable"
-    return _answer(503, str(exc), kind, headers={"Retry-After": wait})
+    wait, kind = refusal(exc)
+    return _answer(503, str(exc), kind, headers={"Retry-After": wait} if wait else {})
 
 
 def _exhausted(attempts: int, why: str) -> httpx.Response:
@@ -158,7 +150,7 @@ class AsyncRouterTransport(httpx.AsyncBaseTransport):
                     lease = await rules.balancer.acquire(
                         route.request_id, exclude=avoid or None, **fields
                     )
-                except (NoServersAvailable, RedisUnavailable) as exc:
+                except NOT_ROUTED as exc:
                     if avoid and type(exc) is NoServersAvailable:  # each one left failed it
                         why += "; no other replica takes new sessions"
                         break
@@ -247,7 +239,7 @@ class RouterTransport(httpx.BaseTransport):
                     lease = rules.balancer.acquire(
                         route.request_id, exclude=avoid or None, **fields
                     )
-                except (NoServersAvailable, RedisUnavailable) as exc:
+                except NOT_ROUTED as exc:
                     if avoid and type(exc) is NoServersAvailable:
                         why += "; no other replica takes new sessions"
                         break
