@@ -165,7 +165,7 @@ REGISTRY: tuple[Key, ...] = (
         f"replica → `at_ms{SEP}mark{SEP}reason`: its last failure (a request: `request "
         "failed`; a probe: `health check: ...`; at most 200 bytes, user info of URLs hidden) "
         "and the mark then: its leases that had ended other than by a reclaim (`acquires − "
-        "ZCARD held − reclaimed`)",
+        "ZCARD held − reclaimed`; 0 with ejection on, where a success deletes the streak)",
     ),
     Key("ejections", "hash", "replica → ejections in a row; `replica␟t` → when the last one ends"),
     Key("failures", "hash", "replica → failed requests and probes reported (counter)"),

@@ -13,7 +13,7 @@
 --                         a reclaim, since its last failure (the mark in P.."last_error"), so a
 --                         success ends it without a write (so does a close)
 --   P.."last_error" HASH  id -> at_ms..SEP..mark..SEP..why: the last failure reported for id,
---                         and the mark then (mark_of(id))
+--                         and the mark then (mark_of(id); 0 with ejection on, where none is read)
 --   P.."ejected"    ZSET  id -> ejected until (ms); P.."eject_why" HASH id -> why
 --   P.."ejections"  HASH  id -> ejections in a row, id..SEP.."t" -> when the last one ends;
 --                         a replica not ejected for `max` ms starts again at base
@@ -72,11 +72,11 @@ local function health()
   function H.failed(id, why, now, ended, err)
     redis.call('HINCRBY', P .. 'failures', id, '1')
     local after, base, max, share = H.settings()
-    local mark = mark_of(id)
-    local n = 1
+    local mark, n = 0, 1 -- the mark is read only with ejection off
     if after then -- a success ends the streak itself ("+")
       n = redis.call('HINCRBY', P .. 'fails', id, '1')
     else
+      mark = mark_of(id)
       local last = redis.call('HGET', P .. 'last_error', id)
       if last and tonumber(string.match(last, '^%d+' .. SEP .. '(%-?%d+)')) == mark - ended then
         n = redis.call('HINCRBY', P .. 'fails', id, '1')
