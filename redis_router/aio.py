@@ -781,8 +781,8 @@ class AsyncRedisLoadBalancer:
         **fields: Any,
     ) -> tuple[str, Any]:
         """Route a request (see RedisLoadBalancer.acquire_server). Returns (id, handle)."""
-        self._core.check_acquire(fields)
-        rid, excl = validation.request_id(request_id), validation.exclusion(exclude)
+        rid = validation.request_id(request_id)
+        excl = self._core.check_acquire(fields, exclude)
         g = await self._acquire_waiting(rid, None, fields, wait, excl)
         return g.server_id, g.handle
 
@@ -814,8 +814,7 @@ class AsyncRedisLoadBalancer:
         RedisLoadBalancer.acquire)."""
         rid = validation.request_id(request_id)
         checked = validation.token(token) if token is not None else None
-        self._core.check_acquire(fields)
-        excl = validation.exclusion(exclude)
+        excl = self._core.check_acquire(fields, exclude)
         return AsyncLease(self, await self._acquire_waiting(rid, checked, fields, wait, excl))
 
     async def _acquire_waiting(

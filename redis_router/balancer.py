@@ -367,8 +367,7 @@ class RedisLoadBalancer:
         none that takes new sessions (NoCapacity when one that is not excluded is full or
         ejected). Returns (id, handle)."""
         rid = validation.request_id(request_id)
-        self._core.check_acquire(fields)
-        excl = validation.exclusion(exclude)
+        excl = self._core.check_acquire(fields, exclude)
         g = self._acquire([rid], None, [fields] if fields else None, _wait(wait), excl)[0]
         return g.server_id, g.handle
 
@@ -398,8 +397,7 @@ class RedisLoadBalancer:
         ``wait``, ``exclude``: as acquire_server."""
         rid = validation.request_id(request_id)
         tokens = [validation.token(token)] if token is not None else None
-        self._core.check_acquire(fields)
-        excl = validation.exclusion(exclude)
+        excl = self._core.check_acquire(fields, exclude)
         per = [fields] if fields else None
         return Lease(self, self._acquire([rid], tokens, per, _wait(wait), excl)[0])
 

@@ -446,11 +446,12 @@ class BalancerCore:
         # its keeper here, so no path can take a lease that nothing keeps alive.
         self.on_acquire: Callable[[], None] = _nothing
 
-    def check_acquire(self, fields: Mapping[str, Any]) -> None:
+    def check_acquire(self, fields: Mapping[str, Any], exclude: object = None) -> tuple[str, ...]:
         """Refuse an acquire, before anything is sent, once the balancer is closed
         (BalancerClosed: its leases were ended and no keeper would keep a new one alive), or
         when a keyword is not a field the policy reads (TypeError naming it: a mistyped
-        ``wait`` would otherwise be taken for a field and ignored)."""
+        ``wait`` would otherwise be taken for a field and ignored). Returns the exclusion,
+        checked (validation.exclusion)."""
         if self.closed:
             raise self.closed_error()
         if fields and not self.accepted_fields.issuperset(fields):
@@ -460,6 +461,7 @@ class BalancerCore:
                 f"it takes wait= (acquire: token=; lease: renew_every=) and the request fields "
                 f"it reads (policy {self.policy.name!r}): {sorted(self.accepted_fields)}"
             )
+        return validation.exclusion(exclude)
 
     def closed_error(self) -> BalancerClosed:
         return BalancerClosed(
