@@ -180,6 +180,16 @@ class Pipe:
             conn = await _connection(self._pool)
         except Exception:
             return
+        if _ended(conn):
+            # The server closed it while it sat in the pool and its stream has taken the end:
+            # that transport no longer reads, so a protocol put in its place would never hear
+            # of it, and calls written there would wait a whole socket timeout. Open it again.
+            try:
+                await conn.disconnect()
+                await conn.connect()
+            except Exception:
+                await _discard(self._pool, conn)
+                return
         if not callable(getattr(conn, "write_now", None)) or self._closed or self._conn:
             # A connection class without a synchronous write (a client passed in, whose pool
             # the balancer did not make): calls keep the ordinary path.
@@ -374,6 +384,19 @@ async def _connection(pool: Any) -> Any:
     except TypeError:
         conn = await pool.get_connection("EVALSHA")
     return conn
+
+
+def _ended(conn: Any) -> bool:
+    """Whether ``conn``'s stream has ended (or failed, or holds bytes no call asked for)."""
+    reader, writer = getattr(conn, "_reader", None), getattr(conn, "_writer", None)
+    if reader is None or writer is None:
+        return False  # not connected: its first command connects it
+    return bool(
+        writer.transport.is_closing()
+        or reader.at_eof()
+        or reader.exception() is not None
+        or getattr(reader, "_buffer", None)
+    )
 
 
 _discarding: set[asyncio.Future[None]] = set()  # closes in progress, referenced until done

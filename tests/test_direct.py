@@ -118,6 +118,46 @@ def test_calls_in_flight_when_the_connection_dies_are_sent_again(server, r, read
     asyncio.run(main())
 
 
+def test_a_pooled_connection_the_server_closed_is_opened_again_for_the_pipe(
+    server, r, reader, monkeypatch
+):
+    # A connection the server closed while it sat idle in the pool: its stream has taken the
+    # end, and its transport no longer reads. Taken as it is, calls written there would hear
+    # nothing for a whole socket timeout (30 s here). redis-py's pool looks for an end before
+    # it hands a connection out, but misses one that arrives while it looks (seen under load,
+    # then a 5 s timeout): the pool here hands the ended connection out as that race does.
+    url = f"{server.url}?socket_timeout=30"
+
+    async def main() -> None:
+        async with AsyncRedisLoadBalancer(SERVERS, redis=url, name="stale") as lb:
+            old = lb._pipe
+            assert old is not None and old.ready
+            pool = old._pool
+            idle = await direct._connection(pool)
+            await idle.send_command("CLIENT", "ID")
+            r.client_kill_filter(_id=await idle.read_response())
+            deadline = time.monotonic() + 10
+            while not idle._reader.at_eof():
+                assert time.monotonic() < deadline, "the killed connection's stream never ended"
+                await asyncio.sleep(0.01)
+            lb._pipe = pipe = direct.Pipe(pool, lb._command, lb._exec, lb._refused, old.resends)
+            await old.close()
+            monkeypatch.setattr(pool, "ensure_connection", lambda conn: conn.connect())
+            await pool.release(idle)  # the next connection the pool hands out
+            await pipe.open()
+            assert pipe.ready and not pipe._conn._reader.at_eof()
+            assert _reads_with(lb) == reader
+            got = await asyncio.wait_for(
+                asyncio.gather(*(lb.acquire_server(f"p{i}") for i in range(8))), 10
+            )
+            assert sum(invariants.check(r, "stale").values()) == 8
+            ends = [lb.release_server(sid, f"p{i}") for i, (sid, _) in enumerate(got)]
+            assert all(await asyncio.wait_for(asyncio.gather(*ends), 10))
+            assert set(invariants.check(r, "stale").values()) == {0}
+
+    asyncio.run(main())
+
+
 def test_calls_of_one_turn_reach_redis_in_the_order_they_were_made(server, r, reader):
     # A retry of a granted lease's token made before that lease's release, in one turn: the
     # retry runs first (it finds the lease, counts nothing), then the release ends it. Sent the
