@@ -16,7 +16,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from . import dp, engine, health, validation
 from .errors import (
@@ -33,6 +33,7 @@ from .scoring import engine_scoring as engine_scoring_option
 from .scripts import Script, load
 
 T = TypeVar("T")
+S = TypeVar("S")
 Op = Generator["Call", Any, T]
 
 # Entries of dead holders (a holder or one of its leases each) one heartbeat or reap call
@@ -1207,28 +1208,37 @@ Step = Call | Attempt | Pause | Block
 Admission = Generator[Step, Any, list[Grant]]
 
 
-class Steps:
-    """An Admission's steps, for its driver: ``for step in steps``, then set ``reply`` (or
-    ``error``, thrown back in) for each; ``result`` once done. Closes the operation on exit."""
+class Steps(Generic[S, T]):
+    """An I/O-free operation's steps, for its driver: ``for step in steps``, then set
+    ``reply`` (or ``error``, thrown back in) for each; ``result`` once done. Closes the
+    operation on exit. A blocking and an asyncio driver run the same operation this way
+    (an Admission here; a transport's forwarding in redis_router.http.transport)."""
 
-    def __init__(self, op: Admission) -> None:
+    def __init__(self, op: Generator[S, Any, T]) -> None:
         self._op = op
         self.reply: Any = None
         self.error: BaseException | None = None
-        self.result: list[Grant] = []
+        self._result: tuple[T] | None = None
 
-    def __iter__(self) -> Steps:
+    def __iter__(self) -> Steps[S, T]:
         return self
 
-    def __next__(self) -> Step:
+    def __next__(self) -> S:
         reply, error, self.reply, self.error = self.reply, self.error, None, None
         try:
             return self._op.send(reply) if error is None else self._op.throw(error)
         except StopIteration as stop:
-            self.result = stop.value
+            self._result = (stop.value,)
             raise StopIteration from None
 
-    def __enter__(self) -> Steps:
+    @property
+    def result(self) -> T:
+        """What the operation returned (RuntimeError before it has)."""
+        if self._result is None:
+            raise RuntimeError("the operation has not returned yet")
+        return self._result[0]
+
+    def __enter__(self) -> Steps[S, T]:
         return self
 
     def __exit__(self, *exc: object) -> None:

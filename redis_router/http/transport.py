@@ -27,12 +27,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Generator, Iterator
+from typing import Any, NamedTuple
 
 import httpx
 
 from .. import dp
+from ..core import Steps
 from ..errors import (
     ConfigMismatch,
     NoServersAvailable,
@@ -108,6 +109,109 @@ def _exhausted(attempts: int, why: str) -> httpx.Response:
     )
 
 
+class _Acquire(NamedTuple):
+    """Acquire a lease for the request, every replica in ``exclude`` set aside."""
+
+    request_id: str
+    exclude: set[str] | None
+    fields: dict[str, Any]
+
+
+class _Report(NamedTuple):
+    """Report the lease's attempt as failed, and wait for that (it counts toward ejecting
+    the replica before the next acquire)."""
+
+    lease: Any
+
+
+class _Send(NamedTuple):
+    """Send the request through the inner transport."""
+
+    request: httpx.Request
+
+
+class _Forwarded(NamedTuple):
+    """A replica's response, and the lease its body holds until it is closed."""
+
+    response: httpx.Response
+    lease: Any
+
+
+_Step = _Acquire | _Report | _Send
+
+
+def _forward(
+    rules: _Rules, request: httpx.Request, raw: bytes
+) -> Generator[_Step, Any, httpx.Response | _Forwarded]:
+    """One request's routing, I/O-free: each step is run by the transport's driver (blocking
+    or asyncio) and its reply sent back, or its error thrown back in. Returns the answer, or
+    the replica's response with its lease."""
+    try:
+        route, fields = rules.route(request, raw)
+    except BadRequest as exc:
+        return _answer(400, str(exc), "invalid_request_error", param=exc.param)
+    failed: Any = None
+    avoid: set[str] = set()
+    why = "no attempt"
+    try:
+        for _ in range(rules.retries + 1):
+            if failed is not None:  # reported first: it counts toward ejecting it
+                avoid.add(failed.server_id)
+                reported, failed = failed, None
+                with contextlib.suppress(RedisUnavailable):
+                    yield _Report(reported)
+            try:
+                lease = yield _Acquire(route.request_id, set(avoid) or None, fields)
+            except NOT_ROUTED as exc:
+                if avoid and type(exc) is NoServersAvailable:  # each one left failed it
+                    why += "; no other replica takes new sessions"
+                    break
+                return _unavailable(exc)
+            except ConfigMismatch as exc:
+                return _answer(500, str(exc), "config_mismatch")
+            except (TypeError, ValueError) as exc:
+                return _answer(400, str(exc), "invalid_request_error")
+            base = replica_url(lease.handle)
+            if base is None:
+                failed, why = lease, f"replica {lease.server_id!r} has no url in its metadata"
+                continue
+            try:
+                resp = yield _Send(_retarget(request, base, raw, lease.handle, route))
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never reached
+                failed, why = lease, f"replica {lease.server_id!r}: {exc!r}"
+                continue
+            except httpx.TimeoutException:  # it may be working on it: no retry
+                lease.fail()  # queued now, answered in the background
+                raise
+            except httpx.TransportError as exc:
+                failed, why = lease, f"replica {lease.server_id!r}: {exc!r}"
+                continue
+            except BaseException:  # a cancelled or interrupted caller
+                lease.release()  # queued now, answered in the background
+                raise
+            return _Forwarded(resp, lease)
+    finally:
+        if failed is not None:
+            failed.fail()  # queued now, answered in the background
+    return _exhausted(len(avoid) + (failed is not None), why)
+
+
+def _response(
+    outcome: httpx.Response | _Forwarded, leased: type[_Leased | _AsyncLeased]
+) -> httpx.Response:
+    """The response to give the caller: an answer as it is; a replica's, with a body whose
+    lease ends when it is closed (failed for a 5xx or a body that broke off)."""
+    if isinstance(outcome, httpx.Response):
+        return outcome
+    resp, lease = outcome
+    return httpx.Response(
+        resp.status_code,
+        headers=resp.headers,
+        stream=leased(resp.stream, lease, resp.status_code >= 500),
+        extensions=resp.extensions,
+    )
+
+
 class AsyncRouterTransport(httpx.AsyncBaseTransport):
     """Route an ``httpx.AsyncClient``'s requests through an asyncio balancer
     (:class:`~redis_router.AsyncRedisLoadBalancer` or a router built on it)."""
@@ -130,66 +234,23 @@ class AsyncRouterTransport(httpx.AsyncBaseTransport):
         self._inner = transport or httpx.AsyncHTTPTransport()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        rules = self._rules
         raw = await request.aread()
-        try:
-            route, fields = rules.route(request, raw)
-        except BadRequest as exc:
-            return _answer(400, str(exc), "invalid_request_error", param=exc.param)
-        failed: Any = None
-        avoid: set[str] = set()
-        why = "no attempt"
-        try:
-            for _ in range(rules.retries + 1):
-                if failed is not None:  # reported first: it counts toward ejecting it
-                    avoid.add(failed.server_id)
-                    reported, failed = failed, None
-                    with contextlib.suppress(RedisUnavailable):
-                        await reported.fail()
+        with Steps(_forward(self._rules, request, raw)) as steps:
+            for step in steps:
                 try:
-                    lease = await rules.balancer.acquire(
-                        route.request_id, exclude=avoid or None, **fields
-                    )
-                except NOT_ROUTED as exc:
-                    if avoid and type(exc) is NoServersAvailable:  # each one left failed it
-                        why += "; no other replica takes new sessions"
-                        break
-                    return _unavailable(exc)
-                except ConfigMismatch as exc:
-                    return _answer(500, str(exc), "config_mismatch")
-                except (TypeError, ValueError) as exc:
-                    return _answer(400, str(exc), "invalid_request_error")
-                base = replica_url(lease.handle)
-                if base is None:
-                    failed, why = lease, f"replica {lease.server_id!r} has no url in its metadata"
-                    continue
-                try:
-                    resp = await self._inner.handle_async_request(
-                        _retarget(request, base, raw, lease.handle, route)
-                    )
-                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never reached
-                    failed, why = lease, f"replica {lease.server_id!r}: {exc!r}"
-                    continue
-                except httpx.TimeoutException:  # it may be working on it: no retry
-                    lease.fail()  # queued now, answered in the background
-                    raise
-                except httpx.TransportError as exc:
-                    failed, why = lease, f"replica {lease.server_id!r}: {exc!r}"
-                    continue
-                except BaseException:
-                    lease.release()  # queued now, answered in the background
-                    raise
-                stream = _AsyncLeased(resp.stream, lease, resp.status_code >= 500)
-                return httpx.Response(
-                    resp.status_code,
-                    headers=resp.headers,
-                    stream=stream,
-                    extensions=resp.extensions,
-                )
-        finally:
-            if failed is not None:
-                failed.fail()  # queued now, answered in the background
-        return _exhausted(len(avoid) + (failed is not None), why)
+                    steps.reply = await self._run(step)
+                except BaseException as exc:
+                    steps.error = exc
+            return _response(steps.result, _AsyncLeased)
+
+    async def _run(self, step: _Step) -> Any:
+        if isinstance(step, _Acquire):
+            return await self._rules.balancer.acquire(
+                step.request_id, exclude=step.exclude, **step.fields
+            )
+        if isinstance(step, _Report):
+            return await step.lease.fail()
+        return await self._inner.handle_async_request(step.request)
 
     async def aclose(self) -> None:
         """Close the inner transport (the balancer is the caller's to close)."""
@@ -219,66 +280,23 @@ class RouterTransport(httpx.BaseTransport):
         self._inner = transport or httpx.HTTPTransport()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        rules = self._rules
         raw = request.read()
-        try:
-            route, fields = rules.route(request, raw)
-        except BadRequest as exc:
-            return _answer(400, str(exc), "invalid_request_error", param=exc.param)
-        failed: Any = None
-        avoid: set[str] = set()
-        why = "no attempt"
-        try:
-            for _ in range(rules.retries + 1):
-                if failed is not None:
-                    avoid.add(failed.server_id)
-                    reported, failed = failed, None
-                    with contextlib.suppress(RedisUnavailable):
-                        reported.fail()
+        with Steps(_forward(self._rules, request, raw)) as steps:
+            for step in steps:
                 try:
-                    lease = rules.balancer.acquire(
-                        route.request_id, exclude=avoid or None, **fields
-                    )
-                except NOT_ROUTED as exc:
-                    if avoid and type(exc) is NoServersAvailable:
-                        why += "; no other replica takes new sessions"
-                        break
-                    return _unavailable(exc)
-                except ConfigMismatch as exc:
-                    return _answer(500, str(exc), "config_mismatch")
-                except (TypeError, ValueError) as exc:
-                    return _answer(400, str(exc), "invalid_request_error")
-                base = replica_url(lease.handle)
-                if base is None:
-                    failed, why = lease, f"replica {lease.server_id!r} has no url in its metadata"
-                    continue
-                try:
-                    resp = self._inner.handle_request(
-                        _retarget(request, base, raw, lease.handle, route)
-                    )
-                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never reached
-                    failed, why = lease, f"replica {lease.server_id!r}: {exc!r}"
-                    continue
-                except httpx.TimeoutException:  # it may be working on it: no retry
-                    lease.fail()
-                    raise
-                except httpx.TransportError as exc:
-                    failed, why = lease, f"replica {lease.server_id!r}: {exc!r}"
-                    continue
-                except BaseException:
-                    lease.release()
-                    raise
-                stream = _Leased(resp.stream, lease, resp.status_code >= 500)
-                return httpx.Response(
-                    resp.status_code,
-                    headers=resp.headers,
-                    stream=stream,
-                    extensions=resp.extensions,
-                )
-        finally:
-            if failed is not None:
-                failed.fail()
-        return _exhausted(len(avoid) + (failed is not None), why)
+                    steps.reply = self._run(step)
+                except BaseException as exc:
+                    steps.error = exc
+            return _response(steps.result, _Leased)
+
+    def _run(self, step: _Step) -> Any:
+        if isinstance(step, _Acquire):
+            return self._rules.balancer.acquire(
+                step.request_id, exclude=step.exclude, **step.fields
+            )
+        if isinstance(step, _Report):
+            return step.lease.fail()
+        return self._inner.handle_request(step.request)
 
     def close(self) -> None:
         self._inner.close()
