@@ -20,12 +20,14 @@ from .errors import (
     UnknownRedisHost,
 )
 from .loader import get_router_handle
+from .options import Affinity, Ejection, Groups
 from .outbox import Released
 from .protocol import AsyncRequestLoadBalancer, RequestLoadBalancer
 from .scoring import EngineScoring
 from .verl import VerlRouter
 
 __all__ = [
+    "Affinity",
     "AsyncLease",
     "AsyncRedisLoadBalancer",
     "AsyncReleased",
@@ -33,8 +35,10 @@ __all__ = [
     "BalancerClosed",
     "ConfigMismatch",
     "CredentialsRefused",
+    "Ejection",
     "EngineLoad",
     "EngineScoring",
+    "Groups",
     "Lease",
     "NoCapacity",
     "NoServersAvailable",

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import random
 import time
 import weakref
 from collections.abc import (
@@ -28,6 +27,7 @@ from typing import Any
 from redis import exceptions as rx
 
 from . import health, keeper, validation
+from .base import BalancerBase
 from .coalesce import MAX_BATCH, Coalescer, Outcomes
 from .connection import (
     TRANSIENT_BACKOFF,
@@ -54,7 +54,6 @@ from .core import (
     Steps,
     T,
     admit,
-    build_core,
     fields_per_request,
     new_token,
     new_tokens,
@@ -68,8 +67,7 @@ from .errors import (
     RedisUnavailable,
 )
 from .invoke import Sender
-from .policy import LeastLoaded, RoutingPolicy
-from .scoring import EngineScoring
+from .policy import RoutingPolicy
 
 log = logging.getLogger("redis_router")
 
@@ -153,7 +151,7 @@ class AsyncLease:
         return f"AsyncLease(server_id={self.server_id!r}, request_id={self.request_id!r})"
 
 
-class AsyncRedisLoadBalancer:
+class AsyncRedisLoadBalancer(BalancerBase):
     """The asyncio form of :class:`~redis_router.RedisLoadBalancer` (same arguments, methods
     are coroutines). Its keeper is a task on the event loop of the first acquire.
 
@@ -170,66 +168,15 @@ class AsyncRedisLoadBalancer:
     loop is closed, calls raise RedisRouterError).
     """
 
-    default_policy: type[RoutingPolicy] = LeastLoaded
+    _client_options = ("max_connections", "coalesce")
 
-    def __init__(
-        self,
-        servers: Mapping[str, Any] | None = None,
-        *,
-        redis: Any = None,
-        name: str = "default",
-        full_determinism: bool = False,
-        sticky_ttl: float = 3600.0,
-        lease_ttl: float = 20.0,
-        max_lease_age: float = 86400.0,
-        rng: random.Random | None = None,
-        policy: RoutingPolicy | type[RoutingPolicy] | str | None = None,
-        router_kwargs: Mapping[str, Any] | None = None,
-        affinity_margin: int | None = None,
-        affinity_ratio: float | None = None,
-        group_cap: int | None = None,
-        group_by: str | None = None,
-        eject_after: int | None = None,
-        eject_for: float = health.EJECT_FOR,
-        eject_max: float = health.EJECT_MAX,
-        max_ejected: float = health.MAX_EJECTED,
-        ejected_sticky: str = "move",
-        wait_timeout: float = 0.0,
-        engine_scoring: EngineScoring | Mapping[str, Any] | bool | None = None,
-        spread_sessions: bool = False,
-        coalesce: bool = True,
-        max_connections: int | None = None,
-        **policy_options: Any,
-    ) -> None:
+    def _open(self, servers: dict[str, Any], redis: Any, **client: Any) -> None:
+        coalesce = client.get("coalesce", True)
         if not isinstance(coalesce, bool):
             raise TypeError(f"coalesce must be a bool, got {type(coalesce).__name__}")
-        self._core, redis = build_core(
-            self.default_policy,
-            router_kwargs,
-            policy_options,
-            policy=policy,
-            redis=redis,
-            name=name,
-            full_determinism=full_determinism,
-            sticky_ttl=sticky_ttl,
-            lease_ttl=lease_ttl,
-            max_lease_age=max_lease_age,
-            rng=rng,
-            affinity_margin=affinity_margin,
-            affinity_ratio=affinity_ratio,
-            group_cap=group_cap,
-            group_by=group_by,
-            eject_after=eject_after,
-            eject_for=eject_for,
-            eject_max=eject_max,
-            max_ejected=max_ejected,
-            ejected_sticky=ejected_sticky,
-            wait_timeout=wait_timeout,
-            engine_scoring=engine_scoring,
-            spread_sessions=spread_sessions,
-        )
+        max_connections = client.get("max_connections")
         self._keeper: asyncio.Future[None] | None = None
-        self._initial = validation.servers_mapping(servers) if servers is not None else {}
+        self._initial = servers
         self._client, self.url, self._owns_client = client_for(
             redis, asyncio=True, max_connections=max_connections
         )

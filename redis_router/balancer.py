@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import random
 import threading
 import time
 import weakref
@@ -14,6 +13,7 @@ from typing import Any
 from redis import exceptions as rx
 
 from . import health, keeper, validation
+from .base import BalancerBase
 from .connection import (
     TRANSIENT_BACKOFF,
     client_for,
@@ -36,15 +36,13 @@ from .core import (
     Steps,
     T,
     admit,
-    build_core,
     fields_per_request,
 )
 from .engine import EngineLoad
 from .errors import NoCapacity, RedisRouterError, RedisUnavailable
 from .invoke import Sender, unsent
 from .outbox import Outbox, Released
-from .policy import LeastLoaded, RoutingPolicy
-from .scoring import EngineScoring
+from .policy import RoutingPolicy
 
 
 class Lease:
@@ -97,7 +95,7 @@ class Lease:
         return f"Lease(server_id={self.server_id!r}, request_id={self.request_id!r})"
 
 
-class RedisLoadBalancer:
+class RedisLoadBalancer(BalancerBase):
     """A global least-in-flight balancer with sticky sessions, shared through Redis.
 
     Any number of processes that construct it with the same Redis and ``name`` share one
@@ -108,83 +106,20 @@ class RedisLoadBalancer:
     thread). ``max_lease_age`` ends a lease its process forgot to release. Constructing a
     balancer writes nothing unless ``servers`` are given; the first acquire pins sticky_ttl.
 
-    ``policy`` places new sessions (:mod:`redis_router.policy`; default least loaded): a
-    :class:`~redis_router.policy.RoutingPolicy`, its class, or its registered name, with its
-    options as further keyword arguments. Every acquire path goes through it.
-
-    ``max_connections`` (default 100): the size of the connection pool of the client made
-    from the URL; a call finding every connection busy waits for one (at most
-    ``connection.POOL_WAIT`` s), then raises PoolExhausted (docs/operations.md).
+    Its options are the constructor's (:class:`~redis_router.base.BalancerBase`).
     """
 
-    default_policy: type[RoutingPolicy] = LeastLoaded
-
-    def __init__(
-        self,
-        servers: Mapping[str, Any] | None = None,
-        *,
-        redis: Any = None,
-        name: str = "default",
-        full_determinism: bool = False,
-        sticky_ttl: float = 3600.0,
-        lease_ttl: float = 20.0,
-        max_lease_age: float = 86400.0,
-        rng: random.Random | None = None,
-        policy: RoutingPolicy | type[RoutingPolicy] | str | None = None,
-        router_kwargs: Mapping[str, Any] | None = None,
-        affinity_margin: int | None = None,
-        affinity_ratio: float | None = None,
-        group_cap: int | None = None,
-        group_by: str | None = None,
-        eject_after: int | None = None,
-        eject_for: float = health.EJECT_FOR,
-        eject_max: float = health.EJECT_MAX,
-        max_ejected: float = health.MAX_EJECTED,
-        ejected_sticky: str = "move",
-        wait_timeout: float = 0.0,
-        engine_scoring: EngineScoring | Mapping[str, Any] | bool | None = None,
-        spread_sessions: bool = False,
-        max_connections: int | None = None,
-        **policy_options: Any,
-    ) -> None:
-        self._core, redis = build_core(
-            self.default_policy,
-            router_kwargs,
-            policy_options,
-            policy=policy,
-            redis=redis,
-            name=name,
-            full_determinism=full_determinism,
-            sticky_ttl=sticky_ttl,
-            lease_ttl=lease_ttl,
-            max_lease_age=max_lease_age,
-            rng=rng,
-            affinity_margin=affinity_margin,
-            affinity_ratio=affinity_ratio,
-            group_cap=group_cap,
-            group_by=group_by,
-            eject_after=eject_after,
-            eject_for=eject_for,
-            eject_max=eject_max,
-            max_ejected=max_ejected,
-            ejected_sticky=ejected_sticky,
-            wait_timeout=wait_timeout,
-            engine_scoring=engine_scoring,
-            spread_sessions=spread_sessions,
-        )
-        checked = validation.servers_mapping(servers) if servers is not None else {}
+    def _open(self, servers: dict[str, Any], redis: Any, **client: Any) -> None:
         self._keeper: keeper.ThreadKeeper | None = None
         self._keeper_lock = threading.Lock()
-        self._client, self.url, self._owns_client = client_for(
-            redis, asyncio=False, max_connections=max_connections
-        )
+        self._client, self.url, self._owns_client = client_for(redis, asyncio=False, **client)
         self._scripts = Sender(self._client)  # FCALL or EVALSHA, probed on the first call
         # Releases are written at once and answered later (redis_router.outbox); through a
         # Cluster or Sentinel client they wait for their reply (connection.direct_pool).
         pool = direct_pool(self._client)
         self._outbox = Outbox(pool, self._command, self._exec_plain) if pool is not None else None
         self._release_loaded = False  # loaded before the first release is written directly
-        self._run(self._core.setup(checked))
+        self._run(self._core.setup(servers))
         self._core.on_acquire = self._keep_alive
         keeper.track(self)
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 
-from . import dp, engine, health, validation
+from . import dp, engine, health, options, validation
 from .errors import (
     BalancerClosed,
     ConfigMismatch,
@@ -124,18 +124,11 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "max_lease_age": 86400.0,
     "rng": None,
     "policy": None,
-    "affinity_margin": None,
-    "affinity_ratio": None,
-    "group_cap": None,
-    "group_by": None,
-    "eject_after": None,
-    "eject_for": health.EJECT_FOR,
-    "eject_max": health.EJECT_MAX,
-    "max_ejected": health.MAX_EJECTED,
-    "ejected_sticky": "move",
+    "affinity": None,  # options.Affinity (None: its defaults), as the two groups below
+    "groups": None,
+    "ejection": None,
     "wait_timeout": 0.0,
     "engine_scoring": None,
-    "spread_sessions": False,
 }
 # The option behind a pinned field, where their names differ.
 _OPTION_OF = {
@@ -145,11 +138,6 @@ _OPTION_OF = {
 }
 # The acquire field naming a request's group (GRPO: the samples of one prompt).
 GROUP_FIELD = "group_id"
-MAX_GROUP_CAP = 1_000_000
-MAX_GROUP_BY = 16
-# Bounds of the affinity options: a margin in in-flight requests, a ratio of in-flight counts.
-MAX_AFFINITY_MARGIN = 1_000_000
-MAX_AFFINITY_RATIO = 1_000_000.0
 # Fields of P.."config" every process must share, in the order the scripts send them.
 PINNED_SETTINGS = (
     "sticky_ttl_ms",
@@ -170,30 +158,42 @@ def build_core(
     policy_options: Mapping[str, Any],
     **given: Any,
 ) -> tuple[BalancerCore, Any]:
-    """The twins' constructors in one place. ``router_kwargs`` (e.g. the rest of a YAML router
-    config) is folded into the keyword options, a key coming from one place only; keys that
-    are not the balancer's own go to its routing policy. Returns the core and the ``redis``
-    option (a URL, a client or None) left for the caller."""
+    """The balancers' construction in one place. ``given`` holds the constructor's named
+    options; ``policy_options`` its other keywords: the core's options it does not name
+    (``max_lease_age``, ``rng``, the option groups' flat names such as ``eject_after``)
+    are taken out, the rest go to the routing policy. ``router_kwargs`` (e.g. the rest of a
+    YAML router config) is folded in the same way, a key coming from one place only. Returns
+    the core and the ``redis`` option (a URL, a client or None) left for the caller."""
     opts = dict(given)
     extra = dict(policy_options)
+    for key in [k for k in extra if _is_core_option(k)]:
+        opts[key] = extra.pop(key)
     if router_kwargs is not None:
         if not isinstance(router_kwargs, Mapping):
             raise TypeError(f"router_kwargs must be a mapping, got {type(router_kwargs).__name__}")
         for key, value in router_kwargs.items():
             key = str(key)
-            if key in OPTION_DEFAULTS:
-                if opts[key] is not OPTION_DEFAULTS[key] and opts[key] != OPTION_DEFAULTS[key]:
-                    raise TypeError(
-                        f"option {key!r} given both as an argument and in router_kwargs"
-                    )
-                opts[key] = value
-            elif key in extra:
+            if key in extra or (key in opts and not _is_default(key, opts[key])):
                 raise TypeError(f"option {key!r} given both as an argument and in router_kwargs")
+            if _is_core_option(key):
+                opts[key] = value
             else:
                 extra[key] = value
-    opts["policy"] = make_policy(opts["policy"], default_policy, extra, list(OPTION_DEFAULTS))
+    opts = {**OPTION_DEFAULTS, **options.grouped(opts)}
+    known = [*OPTION_DEFAULTS, *options.FLAT]
+    opts["policy"] = make_policy(opts["policy"], default_policy, extra, known)
     redis = opts.pop("redis")
     return BalancerCore(**opts), redis
+
+
+def _is_core_option(key: str) -> bool:
+    return key in OPTION_DEFAULTS or key in options.FLAT
+
+
+def _is_default(key: str, value: Any) -> bool:
+    """Whether a named option holds its default (so router_kwargs may set it)."""
+    default = OPTION_DEFAULTS.get(key, _nothing)
+    return value is default or value == default
 
 
 def fields_per_request(n: int, fields: Mapping[str, Any]) -> list[Mapping[str, Any]] | None:
@@ -282,49 +282,6 @@ def new_tokens(n: int) -> list[str]:
     return _tokens.ids(n)
 
 
-def _margin(value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"affinity_margin must be an int or None, got {type(value).__name__}")
-    if not 0 <= value <= MAX_AFFINITY_MARGIN:
-        raise ValueError(f"affinity_margin must be in [0, {MAX_AFFINITY_MARGIN}], got {value}")
-    return value
-
-
-def _ratio(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"affinity_ratio must be a number or None, got {type(value).__name__}")
-    if not 1.0 <= value <= MAX_AFFINITY_RATIO:  # also refuses NaN
-        raise ValueError(f"affinity_ratio must be in [1, {MAX_AFFINITY_RATIO:g}], got {value}")
-    return float(value)
-
-
-def _cap(value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"group_cap must be an int or None, got {type(value).__name__}")
-    if not 1 <= value <= MAX_GROUP_CAP:
-        raise ValueError(f"group_cap must be in [1, {MAX_GROUP_CAP}], got {value}")
-    return value
-
-
-def _separator(value: Any) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise TypeError(f"group_by must be a str (a separator) or None, got {type(value).__name__}")
-    if not 1 <= len(value) <= MAX_GROUP_BY or not value.isprintable() or value.isspace():
-        raise ValueError(
-            f"group_by must be 1 to {MAX_GROUP_BY} printable characters, not only white "
-            f"space (a separator such as '-'), got {value!r}"
-        )
-    return value
-
-
 def _nothing() -> None:
     pass
 
@@ -354,18 +311,11 @@ class BalancerCore:
         max_lease_age: float,
         rng: random.Random | None,
         policy: RoutingPolicy,
-        affinity_margin: int | None = None,
-        affinity_ratio: float | None = None,
-        group_cap: int | None = None,
-        group_by: str | None = None,
-        eject_after: int | None = None,
-        eject_for: float = health.EJECT_FOR,
-        eject_max: float = health.EJECT_MAX,
-        max_ejected: float = health.MAX_EJECTED,
-        ejected_sticky: str = "move",
+        affinity: options.Affinity,
+        groups: options.Groups,
+        ejection: options.Ejection,
         wait_timeout: float = 0.0,
         engine_scoring: EngineScoring | Mapping[str, Any] | bool | None = None,
-        spread_sessions: bool = False,
     ) -> None:
         self.name = validation.name(name)
         self.prefix = f"rr:{{{self.name}}}:"
@@ -389,12 +339,10 @@ class BalancerCore:
         self._getrandbits = (rng or random.Random(os.urandom(16))).getrandbits
         # Affinity tolerance, off under full_determinism (a session's replica must stay a
         # function of its id); the values sent are the ones pinned ("" = off).
-        self.affinity_margin = _margin(affinity_margin)
-        self.affinity_ratio = _ratio(affinity_ratio)
+        self.affinity_margin, self.affinity_ratio = affinity.margin, affinity.ratio
         # Group affinity: group_cap members of a group in a row on one replica (None: no cap);
         # group_by derives a group from the request id. Both off under full_determinism too.
-        self.group_cap = _cap(group_cap)
-        self.group_by = _separator(group_by)
+        self.group_cap, self.group_by = groups.cap, groups.by
         on = not full_determinism
         self.routing = (
             str(self.affinity_margin) if on and self.affinity_margin is not None else "",
@@ -404,15 +352,13 @@ class BalancerCore:
         )
         # New sessions' ties go to the replica with the fewest pinned sessions (lib/picking.lua),
         # pinned ("1" = on, "" = off); off under full_determinism as well.
-        self.spread_sessions = validation.flag(spread_sessions, "spread_sessions")
+        self.spread_sessions = affinity.spread_sessions
         self.spread = "1" if on and self.spread_sessions else ""
         # Passive health, pinned for every process ("" = off): lib/health.lua.
-        self.ejection = health.ejection_setting(
-            eject_after, eject_for, eject_max, max_ejected, ejected_sticky
-        )
-        self.ejected_sticky = ejected_sticky
-        self.eject_after, self.eject_for = eject_after, float(eject_for)
-        self.eject_max, self.max_ejected = float(eject_max), float(max_ejected)
+        self.ejection = ejection.setting
+        self.ejected_sticky = ejection.sticky
+        self.eject_after, self.eject_for = ejection.after, float(ejection.seconds)
+        self.eject_max, self.max_ejected = float(ejection.max_seconds), float(ejection.max_share)
         # Least loaded on the engines' reports as well as the leases (redis_router.scoring),
         # pinned for every process ("" = off).
         self.engine_scoring = engine_scoring_option(engine_scoring)
