@@ -485,6 +485,12 @@ BAL_CONCURRENCY = 8
 BAL_MEAN_MS = 20.0
 GROUP = 8
 GRPO_PROMPT = 1024
+# Sparse multi-turn sessions (the simulator's sparse sessions, in milliseconds for seconds):
+# 2 per process, 3-10 turns of 10-30 ms, 10-40 ms of thinking (no request) between turns.
+SESSIONS_PER_PROCESS = 2
+SESSION_TURNS = (3, 10)
+SESSION_TURN_MS = (10, 30)
+SESSION_THINK_MS = (10.0, 40.0)
 
 
 def _worker(job: dict[str, Any]) -> int:
@@ -500,12 +506,17 @@ async def _worker_main(job: dict[str, Any]) -> int:
     ac = AsyncClient()
     lb: Any = None
     if kind == "redis-router":
-        lb = AsyncRedisLoadBalancer(servers, redis=job["redis"], name=job["name"])
+        lb = AsyncRedisLoadBalancer(
+            servers, redis=job["redis"], name=job["name"], **job.get("options", {})
+        )
     elif kind == "prefix":
         lb = _prefix_router(servers, job["redis"], job["name"], job["options"])
     if lb is not None:  # connect and load the scripts before the start
-        sid, _ = await lb.acquire_server("warm-" + uuid.uuid4().hex)
+        warm = "warm-" + uuid.uuid4().hex
+        sid, _ = await lb.acquire_server(warm)
         await lb.release_server(sid, None)
+        if job.get("end_sessions"):  # not a session that counts as pinned
+            await lb.end_session(warm)
     path = "/v1/completions"
 
     async def one(prompt: list[int], max_tokens: int) -> None:
@@ -523,9 +534,41 @@ async def _worker_main(job: dict[str, Any]) -> int:
             finally:
                 await lb.release_server(sid, rid)
 
+    async def turn(session: str, pinned: str, max_tokens: int) -> None:
+        """One turn of a session: sticky through the balancer (the session id as request
+        id), to the session's replica when pinned at random, else as the gateway routes it."""
+        body = completion_body(_text(_tokens(rng, 8)), max_tokens)
+        if kind == "gateway":
+            await ac.post(job["gateway"], path, body)
+        elif kind == "random":
+            await ac.post(pinned, path, body)
+        else:
+            sid, _ = await lb.acquire_server(session)
+            try:
+                await ac.post(servers[sid], path, body)
+            finally:
+                await lb.release_server(sid, session)
+
     await asyncio.sleep(max(0.0, job["start_at"] - time.time()))
     done = 0
-    if job["workload"] == "balance":
+    if job["workload"] == "sessions":
+        deadline = job["start_at"] + job["seconds"]
+
+        async def sessions() -> None:
+            nonlocal done
+            while time.time() < deadline:
+                session, pinned = uuid.uuid4().hex, rng.choice(urls)
+                turns = rng.randint(*SESSION_TURNS)
+                for k in range(turns):
+                    await turn(session, pinned, rng.randint(*SESSION_TURN_MS))
+                    done += 1
+                    if k < turns - 1:
+                        await asyncio.sleep(rng.uniform(*SESSION_THINK_MS) / 1000)
+                if lb is not None and job.get("end_sessions"):
+                    await lb.end_session(session)
+
+        await asyncio.gather(*(sessions() for _ in range(job["concurrency"])))
+    elif job["workload"] == "balance":
         deadline = job["start_at"] + job["seconds"]
 
         async def loop() -> None:
@@ -607,15 +650,59 @@ def _balance_contenders(
     return out, errors
 
 
+def _session_contenders(
+    b: Bench,
+) -> tuple[dict[str, Callable[[int], dict[str, Any]]], dict[str, str]]:
+    """The sessions measure's: the balancer with its defaults, and with spread_sessions (each
+    session ended after its last turn, or never), each session pinned to a random replica,
+    the gateways."""
+    common = {"servers": b.servers, "redis": b.redis_url}
+    gateways, errors = _balance_contenders(b)
+    out: dict[str, Callable[[int], dict[str, Any]]] = {
+        "redis-router, 4 processes on one Redis, defaults": lambda i: {
+            **common,
+            "kind": "redis-router",
+            "name": "peers-sessions",
+        },
+        "redis-router, spread_sessions, each session ended (end_session)": lambda i: {
+            **common,
+            "kind": "redis-router",
+            "name": "peers-sessions-spread",
+            "options": {"spread_sessions": True},
+            "end_sessions": True,
+        },
+        "redis-router, spread_sessions, sessions never ended": lambda i: {
+            **common,
+            "kind": "redis-router",
+            "name": "peers-sessions-kept",
+            "options": {"spread_sessions": True},
+        },
+        "each session pinned to a random replica (no router)": lambda i: {
+            **common,
+            "kind": "random",
+        },
+    }
+    out.update({k: v for k, v in gateways.items() if k.endswith(", one per process")})
+    return out, errors
+
+
 def _balance(b: Bench) -> list[Row]:
-    """Dense (8 concurrent per process) then sparse (2 per process: 8 in flight on 8 replicas,
-    where a router that sees only its own requests stacks them on the same idle replicas)."""
-    return _balance_at(b, BAL_CONCURRENCY, "balance") + _balance_at(b, 2, "balance_sparse")
+    """Dense (8 concurrent per process), sparse (2 per process: 8 in flight on 8 replicas,
+    where a router that sees only its own requests stacks them on the same idle replicas),
+    then sparse multi-turn sessions (a session thinking between turns holds no lease, so
+    least loaded alone places new sessions beside idle pinned ones)."""
+    return (
+        _balance_at(b, BAL_CONCURRENCY, "balance")
+        + _balance_at(b, 2, "balance_sparse")
+        + _balance_at(b, SESSIONS_PER_PROCESS, "balance_sessions", "sessions")
+    )
 
 
-def _balance_at(b: Bench, concurrency: int, measure: str) -> list[Row]:
+def _balance_at(b: Bench, concurrency: int, measure: str, workload: str = "balance") -> list[Row]:
     b.replicas.configure(0, 1.0)
-    contenders, errors = _balance_contenders(b)
+    contenders, errors = (
+        _session_contenders(b) if workload == "sessions" else _balance_contenders(b)
+    )
     got: dict[str, list[float]] = {k: [] for k in contenders}
     rates: dict[str, list[float]] = {k: [] for k in contenders}
     failed: dict[str, str] = {}
@@ -624,13 +711,16 @@ def _balance_at(b: Bench, concurrency: int, measure: str) -> list[Row]:
             jobs = [
                 {
                     **contenders[name](i),
-                    "workload": "balance",
+                    "workload": workload,
                     "concurrency": concurrency,
                     "seconds": b.sizes.bal_seconds,
                     "seed": f"{measure}:{rep}:{name}:{i}",
                 }
                 for i in range(INSTANCES)
             ]
+            for job in jobs:  # a balancer per repetition: nothing pinned by the one before
+                if "name" in job:
+                    job["name"] = f"{job['name']}-{measure}-{rep}"
             try:
                 done, stats = _in_processes(b, jobs, b.sizes.bal_seconds)
             except Exception as exc:
@@ -848,6 +938,10 @@ TITLES = {
     "balance": f"(3) balance, 4 client processes x {BAL_CONCURRENCY} concurrent requests, 4 "
     "independent routers: time-weighted in-flight per replica, max / mean",
     "balance_sparse": "(3) the same, sparse: 4 client processes x 2 concurrent requests",
+    "balance_sessions": f"(3) the same, sparse multi-turn sessions: 4 client processes x "
+    f"{SESSIONS_PER_PROCESS} sessions of {SESSION_TURNS[0]}-{SESSION_TURNS[1]} turns "
+    f"({SESSION_TURN_MS[0]}-{SESSION_TURN_MS[1]} ms), {SESSION_THINK_MS[0]:g}-"
+    f"{SESSION_THINK_MS[1]:g} ms thinking between turns",
     "prefix_multiturn": f"(4a) prefix-cache token hit rate, multi-turn sessions roaming between "
     f"router instances ({MT_FIRST}-token first prompt, +{MT_TURN} per turn)",
     "prefix_grpo": f"(4b) prefix-cache token hit rate, GRPO groups of {GROUP} samples of a "

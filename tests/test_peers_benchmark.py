@@ -28,6 +28,7 @@ MEASURES = {
     "throughput_20ms",
     "balance",
     "balance_sparse",
+    "balance_sessions",
     "prefix_multiturn",
     "prefix_grpo",
 }
