@@ -20,10 +20,13 @@ the median over the repetitions. Measures:
   as a ratio to direct requests in the same repetition.
 - ``balance``: 4 client processes, 8 concurrent requests each (service time drawn per request,
   exponential, mean 20 ms), one gateway per process against one shared balancer on one Redis:
-  time-weighted mean in-flight per replica, max / mean over the replicas.
+  time-weighted mean in-flight per replica, max / mean over the replicas; then sparse (2 per
+  process), and sparse multi-turn sessions that think between turns.
 - ``prefix``: the replicas' prefix-cache token hit rate for multi-turn sessions whose every turn
   goes through a different router instance (4 instances), and for GRPO groups (8 samples of a
   1024-token prompt, from 4 processes, each process its own router instance).
+- ``cpu``: CPU time per routed request with every process counted: the library's client
+  process and Redis, against a gateway's process (benchmarks/peers_cpu.py).
 
 redis-router takes part twice: as the library (acquire, request, release in the client
 process) and as ``redis-router serve`` instances, each a process of its own on the same Redis,
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import importlib.metadata
 import itertools
@@ -61,7 +65,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,11 +79,12 @@ from redis_router.local_server import LocalServer, first_server_binary
 from redis_router.plugins.prefix_cache import AsyncPrefixCacheRouter
 
 from . import peers_bare as bare
+from . import peers_cpu
 from . import peers_fronts as fronts
 from . import peers_gateways as gws
 from .peers_http import AsyncClient, FakeReplicas, SyncClient, completion_body
 
-MEASURES = ("latency", "throughput", "balance", "prefix")
+MEASURES = ("latency", "throughput", "balance", "prefix", "cpu")
 INSTANCES = 4  # independent routers: gateway instances, client processes, balancer objects
 PREFIX_CONFIG = "pkg://redis_router.plugins/prefix_cache.yaml"
 PREFIX_VARIANTS: dict[str, dict[str, float]] = {
@@ -192,13 +197,26 @@ LAT_PING = "oracle: one redis-py PING, then the request"
 LAT_PING_ASYNC = f"{LAT_PING}, asyncio"
 # The library's own acquire and release scripts, and two no-op calls, from a bare client
 # (benchmarks/peers_bare.py): what the scripts add, and what the library's Python adds.
-LAT_BARE = "oracle: the library's scripts, bare client"
-LAT_BARE_NOOP = "oracle: two no-op script calls, bare client"
-LAT_BARE_ASYNC = f"{LAT_BARE}, asyncio"
-LAT_BARE_NOOP_ASYNC = f"{LAT_BARE_NOOP}, asyncio"
+LAT_BARE, LAT_BARE_NOOP = bare.BARE, bare.BARE_NOOP
+LAT_BARE_ASYNC, LAT_BARE_NOOP_ASYNC = bare.BARE_ASYNC, bare.BARE_NOOP_ASYNC
 
 
-async def _latency(b: Bench) -> list[Row]:
+@dataclass
+class _Requests:
+    """One request of each latency and CPU row, as a function: ``sync`` ones called,
+    ``asyncio`` ones awaited; ``base``: a row's direct request; ``gateway``: a gateway row's
+    gateway (or front); ``errors``: rows that cannot run, and why."""
+
+    sync: dict[str, Callable[[], Any]]
+    asyncio: dict[str, Callable[[], Any]]
+    base: dict[str, str]
+    gateway: dict[str, str]
+    errors: dict[str, str]
+
+
+@contextlib.asynccontextmanager
+async def _requests(b: Bench) -> AsyncIterator[_Requests]:
+    """The latency and CPU measures' requests, their clients open until the block ends."""
     b.replicas.configure(0, 0)
     urls = b.replicas.urls
     servers = b.servers
@@ -215,6 +233,7 @@ async def _latency(b: Bench) -> list[Row]:
     lb.release_server(lb.acquire_server("peers-bare-warm")[0], "peers-bare-warm")
     await alb.release_server((await alb.acquire_server("peers-bare-warm"))[0], "peers-bare-warm")
     errors: dict[str, str] = {}
+    gateway: dict[str, str] = {}
     bare_rows = (LAT_BARE, LAT_BARE_NOOP, LAT_BARE_ASYNC, LAT_BARE_NOOP_ASYNC)
     try:
         bare.load_noop(rping)  # (Functions: Redis 7+ or Valkey)
@@ -321,35 +340,44 @@ async def _latency(b: Bench) -> list[Row]:
         base[label] = LAT_SYNC_DIRECT
         async_fns[f"{label}, asyncio client"] = lambda gurl=gurl: ac.post(gurl, path, body)
         base[f"{label}, asyncio client"] = LAT_ASYNC_DIRECT
-    names = [*sync_fns, *async_fns]
-    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in names}  # (p50, p99) per rep
-    failed: dict[str, str] = {}
-    for rep in range(b.reps):
-        for name in _rotated(names, rep):
-            lat: list[float] = []
-            total = b.sizes.warmup + b.sizes.requests
-            try:
-                for i in range(total):
-                    if name in sync_fns:
-                        t0 = time.perf_counter()
-                        sync_fns[name]()
-                    else:
-                        t0 = time.perf_counter()
-                        await async_fns[name]()
-                    if i >= b.sizes.warmup:
-                        lat.append(time.perf_counter() - t0)
-                samples[name].append((_pct(lat, 0.5), _pct(lat, 0.99)))
-            except Exception as exc:  # a gateway that fails mid-run: its row says why
-                failed[name] = _why(exc)
-                samples[name].append((math.nan, math.nan))
-    lb.close()
-    await alb.close()
-    rping.close()
-    await arping.aclose()
-    sbare.close()
-    abare.close()
-    sc.close()
-    await ac.close()
+        gateway[label] = gateway[f"{label}, asyncio client"] = label
+    try:
+        yield _Requests(sync_fns, async_fns, base, gateway, errors)
+    finally:
+        lb.close()
+        await alb.close()
+        rping.close()
+        await arping.aclose()
+        sbare.close()
+        abare.close()
+        sc.close()
+        await ac.close()
+
+
+async def _latency(b: Bench) -> list[Row]:
+    async with _requests(b) as q:
+        sync_fns, async_fns, base, errors = q.sync, q.asyncio, q.base, q.errors
+        names = [*sync_fns, *async_fns]
+        samples: dict[str, list[tuple[float, float]]] = {k: [] for k in names}  # (p50, p99) per rep
+        failed: dict[str, str] = {}
+        for rep in range(b.reps):
+            for name in _rotated(names, rep):
+                lat: list[float] = []
+                total = b.sizes.warmup + b.sizes.requests
+                try:
+                    for i in range(total):
+                        if name in sync_fns:
+                            t0 = time.perf_counter()
+                            sync_fns[name]()
+                        else:
+                            t0 = time.perf_counter()
+                            await async_fns[name]()
+                        if i >= b.sizes.warmup:
+                            lat.append(time.perf_counter() - t0)
+                    samples[name].append((_pct(lat, 0.5), _pct(lat, 0.99)))
+                except Exception as exc:  # a gateway that fails mid-run: its row says why
+                    failed[name] = _why(exc)
+                    samples[name].append((math.nan, math.nan))
     rows = []
     for name in names:
         p50 = [s[0] * 1e6 for s in samples[name]]
@@ -363,17 +391,37 @@ async def _latency(b: Bench) -> list[Row]:
             vals["added_p99_us"] = _med(
                 [(s[1] - r[1]) * 1e6 for s, r in zip(samples[name], ref, strict=True)]
             )
-        note = (
-            ("vs sync direct" if base[name] == LAT_SYNC_DIRECT else "vs asyncio direct")
-            if name in base
-            else "baseline"
-        )
+        note = _versus(base[name]) if name in base else "baseline"
         note = f"failed: {failed[name]}" if name in failed else note
         rows.append(Row("latency", name, vals, note, {"p50_us": p50, "p99_us": p99}))
     rows += [
         _error_row("latency", k, v, ("added_p50_us", "added_p99_us")) for k, v in errors.items()
     ]
     return rows
+
+
+async def _cpu(b: Bench) -> list[Row]:
+    """(5) CPU per routed request, every process counted (benchmarks/peers_cpu.py): the
+    latency measure's requests, metered."""
+    async with _requests(b) as q:
+        pids = {}
+        for name, label in q.gateway.items():
+            proc = b.gateways[label][0].proc
+            if proc is not None:
+                pids[name] = proc.pid
+        got, failed = await peers_cpu.measure(
+            q.sync, q.asyncio, q.base, pids, b.redis_url, b.sizes, b.reps, _rotated
+        )
+    rows = [
+        Row("cpu", name, {k: _med(v) for k, v in vals.items()}, _versus(q.base[name]), vals)
+        for name, vals in got.items()
+    ]
+    errors = {**q.errors, **{k: f"failed: {v}" for k, v in failed.items()}}
+    return rows + [_error_row("cpu", k, v, ("cpu_us",)) for k, v in errors.items()]
+
+
+def _versus(direct: str) -> str:
+    return "vs sync direct" if direct == LAT_SYNC_DIRECT else "vs asyncio direct"
 
 
 def _why(exc: BaseException) -> str:
@@ -946,6 +994,8 @@ TITLES = {
     f"router instances ({MT_FIRST}-token first prompt, +{MT_TURN} per turn)",
     "prefix_grpo": f"(4b) prefix-cache token hit rate, GRPO groups of {GROUP} samples of a "
     f"{GRPO_PROMPT}-token prompt from 4 processes",
+    "cpu": "(5) CPU per routed request, every process counted (us): the caller's process and "
+    "Redis above a direct request, and a gateway's or front's process",
 }
 
 
@@ -974,6 +1024,10 @@ HEADS = {
     "ratio_to_direct": "vs direct",
     "max_over_mean": "max/mean",
     "hit_rate_pct": "hit rate",
+    "cpu_us": "CPU",
+    "client_us": "client",
+    "redis_us": "Redis",
+    "gateway_us": "gateway",
 }
 
 
@@ -1147,6 +1201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "prefix" in args.only:
                 rows += asyncio.run(_multiturn(bench))
                 rows += _grpo(bench)
+            if "cpu" in args.only:
+                rows += asyncio.run(_cpu(bench))
             versions = _versions(server.url, {**fronts.versions(), **gw_versions})
         finally:
             for insts in gateways.values():

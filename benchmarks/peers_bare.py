@@ -35,6 +35,12 @@ from urllib.parse import unquote, urlsplit
 
 import hiredis
 
+# The oracles' row labels (the latency and the CPU measures).
+BARE = "oracle: the library's scripts, bare client"
+BARE_NOOP = "oracle: two no-op script calls, bare client"
+BARE_ASYNC = f"{BARE}, asyncio"
+BARE_NOOP_ASYNC = f"{BARE_NOOP}, asyncio"
+
 # A Functions library whose one function returns at once, as an acquire's reply is shaped.
 NOOP = "rr_bench_noop"
 NOOP_LIBRARY = (

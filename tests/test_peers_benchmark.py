@@ -31,6 +31,7 @@ MEASURES = {
     "balance_sessions",
     "prefix_multiturn",
     "prefix_grpo",
+    "cpu",
 }
 
 pytestmark = pytest.mark.skipif(first_server_binary() is None, reason="no server binary")
@@ -70,6 +71,12 @@ def _check_printed_rows(stdout: str, data: dict[str, Any]) -> None:
             assert 0.0 <= v["hit_rate_pct"] <= 100.0
         elif row["measure"].startswith("throughput"):
             assert v["req_per_s"] > 0 and v["ratio_to_direct"] > 0
+        elif row["measure"] == "cpu":
+            assert {"cpu_us", "client_us", "redis_us"} <= set(v)
+            if row["contender"].startswith("redis-router"):
+                assert v["redis_us"] > 0  # its scripts ran on Redis
+            if "gateway_us" in v:
+                assert v["gateway_us"] > 0  # the gateway's process proxied the requests
         else:
             assert v["p50_us"] > 0 and v["p99_us"] >= v["p50_us"]
 
@@ -106,6 +113,10 @@ def test_quick_run_prints_finite_redis_router_rows(tmp_path: Path) -> None:
         ("throughput_20ms", "redis-router asyncio"),
         ("balance", "redis-router, 4 processes on one Redis"),
         ("balance_sparse", "redis-router, 4 processes on one Redis"),
+        ("balance_sessions", "redis-router, 4 processes on one Redis, defaults"),
+        ("balance_sessions", "redis-router, spread_sessions, each session ended (end_session)"),
+        ("cpu", "redis-router sync"),
+        ("cpu", "redis-router asyncio"),
         ("prefix_grpo", "redis-router prefix_cache, shipped defaults"),
         ("prefix_grpo", "redis-router prefix_cache, abs 64 / rel 1.5"),
         ("latency", peers_fronts.SERVE),
