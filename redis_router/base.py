@@ -70,6 +70,7 @@ class BalancerBase:
             self.default_policy,
             router_kwargs,
             options,
+            self._client_options,
             redis=redis,
             name=name,
             policy=policy,

@@ -156,13 +156,15 @@ def build_core(
     default_policy: type[RoutingPolicy],
     router_kwargs: Mapping[str, Any] | None,
     policy_options: Mapping[str, Any],
+    client_options: Sequence[str] = (),
     **given: Any,
 ) -> tuple[BalancerCore, Any]:
     """The balancers' construction in one place. ``given`` holds the constructor's named
     options; ``policy_options`` its other keywords: the core's options it does not name
     (``max_lease_age``, ``rng``, the option groups' flat names such as ``eject_after``)
     are taken out, the rest go to the routing policy. ``router_kwargs`` (e.g. the rest of a
-    YAML router config) is folded in the same way, a key coming from one place only. Returns
+    YAML router config) is folded in the same way, a key coming from one place only;
+    ``client_options`` are named with the rest where an unknown option is refused. Returns
     the core and the ``redis`` option (a URL, a client or None) left for the caller."""
     opts = dict(given)
     extra = dict(policy_options)
@@ -180,7 +182,7 @@ def build_core(
             else:
                 extra[key] = value
     opts = {**OPTION_DEFAULTS, **options.grouped(opts)}
-    known = [*OPTION_DEFAULTS, *options.FLAT]
+    known = sorted({*OPTION_DEFAULTS, *options.FLAT, *client_options, "router_kwargs"})
     opts["policy"] = make_policy(opts["policy"], default_policy, extra, known)
     redis = opts.pop("redis")
     return BalancerCore(**opts), redis

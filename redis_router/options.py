@@ -161,8 +161,9 @@ def group(name: str, value: Any) -> Any:
                 f"unknown field(s) {unknown} for {name}; {cls.__name__} takes {sorted(known)}"
             )
         return cls(**value)
+    article = "an" if cls.__name__[0] in "AEIOU" else "a"
     raise TypeError(
-        f"{name} must be a {cls.__name__}, a mapping of its fields or None, got "
+        f"{name} must be {article} {cls.__name__}, a mapping of its fields or None, got "
         f"{type(value).__name__}"
     )
 
