@@ -50,6 +50,17 @@ def test_generated_schema_and_destroy_list_are_current() -> None:
     assert keys.drift(ROOT) == [], "run: python -m redis_router.keys --write"
 
 
+def test_the_scripts_pin_the_settings_the_core_sends_in_its_order() -> None:
+    """lib/holders.lua checks a process's settings (sent in core.PINNED_SETTINGS's order)
+    against the pinned fields of ``P config`` it lists: the two lists must be one."""
+    from redis_router.core import PINNED_SETTINGS
+
+    source = (Path(keys.__file__).parent / "lua" / "lib" / "holders.lua").read_text()
+    table = re.search(r"local PINNED = \{([^}]*)\}", source)
+    assert table is not None, "lib/holders.lua no longer lists PINNED"
+    assert tuple(re.findall(r"'([a-z_]+)'", table.group(1))) == PINNED_SETTINGS
+
+
 def test_the_registry_names_each_key_once_with_a_known_type() -> None:
     names = [k.name for k in keys.REGISTRY]
     assert len(names) == len(set(names))
