@@ -67,7 +67,6 @@ from .errors import (
     RedisUnavailable,
 )
 from .invoke import Sender
-from .policy import RoutingPolicy
 
 log = logging.getLogger("redis_router")
 
@@ -710,15 +709,6 @@ class AsyncRedisLoadBalancer(BalancerBase):
 
     # -- routing ---------------------------------------------------------------------------
 
-    @property
-    def name(self) -> str:
-        return self._core.name
-
-    @property
-    def policy(self) -> RoutingPolicy:
-        """How new sessions are placed."""
-        return self._core.policy
-
     async def acquire_server(
         self,
         request_id: str,
@@ -897,12 +887,6 @@ class AsyncRedisLoadBalancer(BalancerBase):
     async def destroy(self) -> int:
         return await self._call(self._core.destroy())
 
-    def require_acquire_fields(self) -> list[str]:
-        return list(self._core.acquire_fields)
-
-    def require_release_fields(self) -> list[str]:
-        return list(self._core.policy.release_fields)
-
     # -- lifetime --------------------------------------------------------------------------
 
     async def close(self) -> None:
@@ -938,9 +922,6 @@ class AsyncRedisLoadBalancer(BalancerBase):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    def __repr__(self) -> str:
-        return f"AsyncRedisLoadBalancer(name={self.name!r}, redis={self.url!r})"
 
 
 def _with_tokens(items: list[_AcquireItem]) -> list[_Filled]:

@@ -42,7 +42,6 @@ from .engine import EngineLoad
 from .errors import NoCapacity, RedisRouterError, RedisUnavailable
 from .invoke import Sender, unsent
 from .outbox import Outbox, Released
-from .policy import RoutingPolicy
 
 
 class Lease:
@@ -276,15 +275,6 @@ class RedisLoadBalancer(BalancerBase):
 
     # -- routing ---------------------------------------------------------------------------
 
-    @property
-    def name(self) -> str:
-        return self._core.name
-
-    @property
-    def policy(self) -> RoutingPolicy:
-        """How new sessions are placed."""
-        return self._core.policy
-
     def acquire_server(
         self,
         request_id: str,
@@ -473,12 +463,6 @@ class RedisLoadBalancer(BalancerBase):
         """Delete every key of this balancer from Redis. Returns how many keys went."""
         return self._run(self._core.destroy())
 
-    def require_acquire_fields(self) -> list[str]:
-        return list(self._core.acquire_fields)
-
-    def require_release_fields(self) -> list[str]:
-        return list(self._core.policy.release_fields)
-
     # -- lifetime --------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -505,9 +489,6 @@ class RedisLoadBalancer(BalancerBase):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __repr__(self) -> str:
-        return f"RedisLoadBalancer(name={self.name!r}, redis={self.url!r})"
 
 
 def _renew_age(lease: Lease, stop: threading.Event, every: float) -> None:

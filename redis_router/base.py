@@ -21,6 +21,7 @@ class BalancerBase:
     # Keywords the flavour's client takes (not options of the core or the policy).
     _client_options: tuple[str, ...] = ("max_connections",)
     _core: BalancerCore
+    url: str  # the Redis URL, credentials hidden
 
     def __init__(
         self,
@@ -89,3 +90,23 @@ class BalancerBase:
     def _open(self, servers: dict[str, Any], redis: Any, **client: Any) -> None:
         """Make the flavour's client and I/O; register ``servers`` (checked) if any."""
         raise NotImplementedError
+
+    @property
+    def name(self) -> str:
+        return self._core.name
+
+    @property
+    def policy(self) -> RoutingPolicy:
+        """How new sessions are placed."""
+        return self._core.policy
+
+    def require_acquire_fields(self) -> list[str]:
+        """The request fields the policy reads at acquire ([] by default)."""
+        return list(self._core.acquire_fields)
+
+    def require_release_fields(self) -> list[str]:
+        """The request fields the policy reads at release ([] by default)."""
+        return list(self._core.policy.release_fields)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, redis={self.url!r})"
