@@ -38,8 +38,8 @@ from .__main__ import _binary
 REPLICAS = 8
 # (stage, the line it starts at): a variant returns just before that line.
 ACQUIRE = (
-    ("the call: arguments, per-call state, policy table", "  local lease_ms, width, ttl ="),
-    ("clock and holder heartbeat", "  if ARGV[14] == '1' then\n"),
+    ("the call: arguments, per-call state, policy table", "  local now = now_ms()\n  local cur"),
+    ("clock and holder heartbeat", "  if cfg.spread then\n"),
     ("settings, admission check", "  if #ARGV == HEAD + stride then\n"),
     ("retry check (lease by token)", "  local old, ob\n"),
     ("sticky lookup, every live bucket", "  -- A sticky replica is counted where it is"),

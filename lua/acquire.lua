@@ -1,12 +1,11 @@
 -- acquire.lua: route one or more requests and take a lease for each, atomically.
 -- KEYS[1]  key prefix "rr:{NAME}:"
--- ARGV[1]  lease ttl (ms): the holder's heartbeat deadline moves to now + this
--- ARGV[2]  sticky bucket width (ms)  ARGV[3]  sticky ttl (ms), checked against the pinned one
--- ARGV[4]  buckets to search back    ARGV[5]  1 = full_determinism    ARGV[6]  holder (its
---          heartbeat)   ARGV[7..15]  affinity margin, ratio, group cap, group_by, ejection,
---          ticket, engine scoring, spread_sessions, exclusion: server ids no request of the
---          call may go to (lib/acquiring)   ARGV[16..] quads: request id, lease token
---          (client-made, unique), random integer, group id
+-- ARGV[1]  the balancer's settings, one JSON object by name (lib/base.lua config()): lease
+--          ttl, sticky buckets, full_determinism, and the pinned settings, checked against
+--          the pinned ones
+-- ARGV[2]  holder (its heartbeat)   ARGV[3]  waiting ticket ("" = none)   ARGV[4]  exclusion:
+--          server ids no request of the call may go to (lib/acquiring)   ARGV[5..] quads:
+--          request id, lease token (client-made, unique), random integer, group id
 -- Returns  flat array: per request, server id, its JSON metadata (or false), and 0 = balanced,
 --          1 = sticky hit, 2 = retry of a token already granted (not counted twice).
 -- Keeps    I1 (count +1 with lease), I3 (sticky first while in pool), I4 (least loaded, client
@@ -18,7 +17,7 @@
 --          <pinned>" when another process pinned other settings; nothing of the requests is
 --          written then (the holder's heartbeat is: it came first).
 -- Uses     lib/base, lib/holders, lib/admission, lib/picking, lib/acquiring
-local deterministic = ARGV[5] == '1'
+local deterministic = config(ARGV[1]).deterministic
 return acquire_all(OWN, {
   choose = function(i)
     if deterministic then return rendezvous(ARGV[i]) end

@@ -1,7 +1,7 @@
 -- retire.lua: a closed balancer's holder lets its leases go now and leaves.
 -- KEYS[1]  key prefix "rr:{NAME}:"
 -- ARGV[1]  holder            ARGV[2]  budget: most leases to end in this call
--- ARGV[3]  how long resent releases are recognised (ms), as heartbeat.lua's ARGV[5]: the
+-- ARGV[3]  how long resent releases are recognised (ms), as heartbeat.lua's ARGV[4]: the
 --          generation of remembered releases gets its expiry if no heartbeat has given it one
 --          (the process closes before its first), so it never outlives the last process
 -- Returns  { 1 if the holder was registered, leases ended, 1 if some are left (the caller

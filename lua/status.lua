@@ -2,23 +2,26 @@
 -- KEYS[1]  key prefix "rr:{NAME}:"
 -- ARGV[1]  sticky bucket width (ms)    ARGV[2]  buckets to search back
 -- Keeps    read only.
--- Returns  { sticky session total, now (ms), rows, holders, waiting } where each row is
---          { id, in-flight, draining (0/1), leases, sticky sessions, acquires,
---            sticky hits, reclaimed, JSON metadata, sticky sessions re-pinned away from it
---            by the affinity margin, then health (below), then its engine report ("" = none,
---            lib/engine.lua), the last failure's reason and when (ms) ("" = none) } for every
---            replica (full or ejected ones too), holders is { live (heard within their lease
---            ttl), dead, leases of dead holders awaiting reclaim, unheard (deadline passed
---            during a gap in heartbeats: on probation), ms the probation has left, leases of
---            unheard holders, ms since the longest unheard one was last heard, 1 if the
---            probation runs (recorded) or 0 if the next heartbeat, acquire or reap starts it },
---          waiting is { waiting now, the first one's wait so far (ms), served after waiting,
---          their total and longest wait (ms), given up, abandoned (process died) }
--- Health   per row: capacity ("" = none), ejected until (ms, "" = not), why, failures in a
---          row (with ejection off, 0 once a lease on it ended otherwise: lib/health.lua), failures
---          reported, ejections in a row.
+-- Returns  one JSON object, by name (a field that is absent is none):
+--          { sessions (sticky sessions in all), now (ms), replicas, holders, waiting } where
+--          replicas is a list with every replica (full or ejected ones too) of
+--          { id, inflight, draining (true/false), leases, sticky (sessions), acquires,
+--            sticky_hits, reclaimed, metadata (its JSON), repins (sticky sessions re-pinned
+--            away from it by the affinity margin), capacity, ejected_until (ms), ejected_why,
+--            streak (failures in a row; with ejection off, 0 once a lease on it ended
+--            otherwise: lib/health.lua), failures (reported), ejections (in a row), engine
+--            (its engine report, lib/engine.lua), last_error, last_error_at (ms) },
+--          holders is { live (heard within their lease ttl), dead, awaiting_reclaim (leases
+--            of dead holders), unheard (deadline passed during a gap in heartbeats: on
+--            probation), probation_ms (what the probation has left), unheard_leases,
+--            unheard_ms (since the longest unheard one was last heard), probation_running
+--            (recorded; false: the next heartbeat, acquire or reap starts it) },
+--          waiting is { now (waiting), oldest_ms (the first one's wait so far), served (after
+--            waiting), waited_ms (their total wait), max_ms, timed_out (given up), abandoned
+--            (their process died) }
 -- Uses     lib/base
 local width, span = tonumber(ARGV[1]), tonumber(ARGV[2])
+local function num(v) return v and tonumber(v) or nil end
 local now = now_ms()
 local cur = math.floor(now / width)
 local buckets, sessions = {}, 0
@@ -56,19 +59,20 @@ for d, zs in ipairs({ 'load', 'draining', 'off' }) do
       streak = tonumber(redis.call('HGET', P .. 'fails', id) or 0)
     end
     rows[#rows + 1] = {
-      id, tonumber(ids[i + 1]), draining, held, sticky, acquires,
-      tonumber(redis.call('HGET', P .. 'sticky_hits', id) or 0),
-      reclaimed,
-      redis.call('HGET', P .. 'servers', id),
-      tonumber(redis.call('HGET', P .. 'repins', id) or 0),
-      redis.call('HGET', P .. 'capacity', id) or '',
-      redis.call('ZSCORE', P .. 'ejected', id) or '',
-      redis.call('HGET', P .. 'eject_why', id) or '',
-      streak,
-      tonumber(redis.call('HGET', P .. 'failures', id) or 0),
-      tonumber(redis.call('HGET', P .. 'ejections', id) or 0),
-      redis.call('HGET', P .. 'engine', id) or '',
-      why or '', at or '',
+      id = id, inflight = tonumber(ids[i + 1]), draining = draining == 1, leases = held,
+      sticky = sticky, acquires = acquires,
+      sticky_hits = tonumber(redis.call('HGET', P .. 'sticky_hits', id) or 0),
+      reclaimed = reclaimed,
+      metadata = redis.call('HGET', P .. 'servers', id) or nil,
+      repins = tonumber(redis.call('HGET', P .. 'repins', id) or 0),
+      capacity = num(redis.call('HGET', P .. 'capacity', id)),
+      ejected_until = num(redis.call('ZSCORE', P .. 'ejected', id)),
+      ejected_why = redis.call('HGET', P .. 'eject_why', id) or nil,
+      streak = streak,
+      failures = tonumber(redis.call('HGET', P .. 'failures', id) or 0),
+      ejections = tonumber(redis.call('HGET', P .. 'ejections', id) or 0),
+      engine = redis.call('HGET', P .. 'engine', id) or nil,
+      last_error = why, last_error_at = num(at),
     }
   end
 end
@@ -109,6 +113,11 @@ end
 local ws = redis.call('HMGET', P .. 'waitstats', 'served', 'waited_ms', 'max_ms', 'timed_out',
   'abandoned')
 for k = 1, 5 do ws[k] = tonumber(ws[k] or 0) end
-return { sessions, now, rows, { live, #dead, waiting, unheard, int(math.max(0, till - now)),
-  unheard_leases, int(unheard_ms), running },
-  { redis.call('ZCARD', P .. 'waiters'), oldest, ws[1], ws[2], ws[3], ws[4], ws[5] } }
+return cjson.encode({
+  sessions = sessions, now = now, replicas = rows,
+  holders = { live = live, dead = #dead, awaiting_reclaim = waiting, unheard = unheard,
+    probation_ms = math.max(0, till - now), unheard_leases = unheard_leases,
+    unheard_ms = unheard_ms, probation_running = running == 1 },
+  waiting = { now = redis.call('ZCARD', P .. 'waiters'), oldest_ms = oldest, served = ws[1],
+    waited_ms = ws[2], max_ms = ws[3], timed_out = ws[4], abandoned = ws[5] },
+})

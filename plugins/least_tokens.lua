@@ -1,8 +1,7 @@
 -- least_tokens.lua: route new sessions to the replica with the fewest in-flight prompt tokens.
 -- The lib/ parts on the Uses line are prepended: leases, stickiness and reaping are the core's.
 -- KEYS[1]  key prefix "rr:{NAME}:"
--- ARGV[1..HEAD] as acquire.lua (lease ttl, sticky bucket width, sticky ttl, buckets to search
---          back, 1 = full_determinism, holder, affinity and group settings)
+-- ARGV[1..HEAD] as acquire.lua (the balancer's settings, holder, waiting ticket, exclusion)
 -- ARGV[HEAD + 1..] per request: the core's OWN (request id, lease token, random integer, group
 --          id), then the weight (prompt tokens, an integer >= 0)
 -- Returns  as acquire.lua: per request, server id, JSON metadata, 0 balanced / 1 sticky / 2 retry.
@@ -18,7 +17,7 @@
 --          tokens in flight plus what the engine's fresh report adds, valued in tokens
 --          (P.."wscore", lib/scoring.lua); O(log N) while nothing drains or is off.
 -- Uses     lib/base, lib/holders, lib/admission, lib/picking, lib/acquiring
-local deterministic = ARGV[5] == '1'
+local deterministic = config(ARGV[1]).deterministic
 local W, L = P .. 'weighted', P .. 'load'
 
 local function least_weighted(rand)

@@ -2,7 +2,7 @@
 -- and take a lease for each, atomically. Built on lib/acquiring.lua's acquire_all, so retries,
 -- sticky sessions, leases, draining and removal behave exactly as in the core's acquire.lua.
 -- KEYS[1]  key prefix "rr:{NAME}:" (index keys: see prefix_cache_index.lua, kv_index_lib.lua)
--- ARGV[1..HEAD] as acquire.lua (ARGV[5] = 1: full_determinism, rendezvous hashing, no prefix)
+-- ARGV[1..HEAD] as acquire.lua (full_determinism: rendezvous hashing, no prefix)
 -- ARGV[HEAD + 1..] per request: the core's OWN (request id, lease token, random integer, group
 --          id), then settings, block hashes, first, exact hashes, exact info. settings = "abs
 --          rel ttl_ms max_blocks budget record refresh_ms lag_ms block_size kv_block_size
@@ -46,7 +46,7 @@
 -- Keeps    I1, I3, I6 (via acquire_all; holders outside P.."load" are never chosen), I4 (ties
 --          broken by client entropy, never Lua's RNG), I5 (under full_determinism), I7.
 -- Uses     lib/base, lib/holders, lib/admission, lib/picking, lib/acquiring, prefix_cache_index, kv_index_lib
-local deterministic = ARGV[5] == '1'
+local deterministic = config(ARGV[1]).deterministic
 local now = pc_us -- us, Redis clock (prefix_cache_index.lua)
 local cfg = nil
 local total = nil -- pc:n after this call's last write
@@ -354,7 +354,7 @@ end
 if #ARGV <= HEAD then return {} end
 local c = settings(ARGV[HEAD + 1 + OWN])
 local out = acquire_all(OWN + 5, {
-  choose = choose, granted = granted, evicted = evicted, min_cached = c.min_cached,
+  choose = choose, granted = granted, evicted = evicted,
 })
 if out.err then return out end
 bound_index(now, c.ttl, c.max_blocks, c.budget, total)

@@ -381,6 +381,9 @@ class BalancerCore:
         # Bucket cur - k expires at (cur - k + 1) * width + ttl, so at any instant of bucket cur
         # only k <= ceil(ttl / width) can be alive: searching further back finds nothing.
         self.span = -(-self.sticky_ms // self.width_ms)
+        # The settings the acquire and heartbeat scripts read, by name (ARGV[1]; decoded once
+        # per Functions library, lib/base.lua config()).
+        self.config = self.settings_map()
         self.new_holder()
         self.handles: dict[str, Any] = {}
         self._decoded: dict[str, Any] = {}
@@ -440,20 +443,8 @@ class BalancerCore:
         self.releasing: set[str] = set()
         # Set by destroy(): the next heartbeat registering the holder anew is expected.
         self.destroyed = False
-        self._acquire_head = (
-            str(self.lease_ms),
-            str(self.width_ms),
-            str(self.sticky_ms),
-            str(self.span),
-            "1" if self.full_determinism else "0",
-            self.holder,
-            *self.routing,
-            self.ejection,
-            "",  # waiting ticket: none
-            self.engine,
-            self.spread,
-            "",  # exclusion: none
-        )
+        # An acquire's first arguments: settings, holder, waiting ticket and exclusion (none).
+        self._acquire_head = (self.config, self.holder, "", "")
 
     # -- replies ---------------------------------------------------------------------------
 
@@ -523,6 +514,26 @@ class BalancerCore:
         )
         return dict(zip(PINNED_SETTINGS, values, strict=True))
 
+    def settings_map(self, lease_ms: int | None = None) -> str:
+        """The settings the acquire and heartbeat scripts read, by name, as one JSON object
+        (``lease_ms``: another lease ttl than this process's, for a tool's heartbeats)."""
+        settings = {
+            "lease_ms": self.lease_ms if lease_ms is None else lease_ms,
+            "width_ms": self.width_ms,
+            "span": self.span,
+            "deterministic": self.full_determinism,
+            "pinned": self.settings(),
+        }
+        return json.dumps(settings, separators=(",", ":"), sort_keys=True)
+
+    def heartbeat_args(
+        self, holder: str | None = None, *, lease_ms: int | None = None, budget: int = REAP_CHUNK
+    ) -> tuple[str | int, ...]:
+        """heartbeat.lua's arguments: this holder's, or another's with its own lease ttl (a
+        tool listening beside the balancer) and reaping budget."""
+        config = self.config if lease_ms is None else self.settings_map(lease_ms)
+        return (config, holder or self.holder, self.max_age_ms, RESEND_WINDOW_MS, budget)
+
     def config_mismatch(self, field: str, pinned: str) -> ConfigMismatch:
         mine = self.settings().get(field, "")
         if field == "ejection":
@@ -583,7 +594,7 @@ class BalancerCore:
         script, rand, policy = self._acquire, self._getrandbits, self.policy
         head = self._acquire_head
         if ticket is not None or exclude:
-            head = (*head[:11], ticket or "", head[12], head[13], SEP.join(exclude))
+            head = (head[0], head[1], ticket or "", SEP.join(exclude))
         n = len(request_ids)
         if fields is not None and len(fields) != n:
             raise ValueError(f"got {len(fields)} field sets for {n} request ids; give one each")
@@ -824,22 +835,7 @@ class BalancerCore:
     def heartbeat(self) -> Op[Heartbeat]:
         """Keep every lease of this holder alive for lease_ttl more, end those older than
         max_lease_age, and reclaim the leases of dead holders, a chunk per call."""
-        anew, reclaimed, examined, overdue = yield Call(
-            load("heartbeat"),
-            (
-                self.holder,
-                self.lease_ms,
-                self.sticky_ms,
-                self.max_age_ms,
-                RESEND_WINDOW_MS,
-                REAP_CHUNK,
-                *self.routing,
-                self.ejection,
-                self.engine,
-                self.min_cached,
-                self.spread,
-            ),
-        )
+        anew, reclaimed, examined, overdue = yield Call(load("heartbeat"), self.heartbeat_args())
         if int(examined) >= REAP_CHUNK:
             reclaimed = int(reclaimed) + (yield from self.reap())
         # Only a heartbeat that found the holder gone consumes the mark of this process's own
@@ -1049,33 +1045,27 @@ class BalancerCore:
         return {_str(raw[i]): int(float(raw[i + 1])) for i in range(0, len(raw), 2)}
 
     def status(self) -> Op[dict[str, Any]]:
-        sessions, now, rows, holders, waiting = yield Call(
-            load("status"), (self.width_ms, self.span)
-        )
+        found = json.loads((yield Call(load("status"), (self.width_ms, self.span))))
+        now = int(found["now"])
         replicas: dict[str, dict[str, Any]] = {}
-        for row in rows:
-            sid, inflight, draining, live, sticky, acquires, hits, reclaimed, meta, repins = row[
-                :10
-            ]
-            sid = _str(sid)
-            replicas[sid] = {
-                "inflight": int(inflight),
-                "draining": draining == 1,
-                "live_leases": int(live),
-                "sticky_sessions": int(sticky),
-                "acquires": int(acquires),
-                "sticky_hits": int(hits),
-                "reclaimed": int(reclaimed),
-                "repins": int(repins),
-                "metadata": validation.metadata(
-                    json.loads(_str(meta)) if meta is not None else None
-                ),
-                **health.replica_status(row[10:16], int(now), int(inflight)),
-                **health.last_error(row[17:19], int(now)),
+        for row in found["replicas"] or ():  # (an empty list is encoded as {})
+            inflight, meta = int(row["inflight"]), row.get("metadata")
+            replicas[row["id"]] = {
+                "inflight": inflight,
+                "draining": row["draining"],
+                "live_leases": int(row["leases"]),
+                "sticky_sessions": int(row["sticky"]),
+                "acquires": int(row["acquires"]),
+                "sticky_hits": int(row["sticky_hits"]),
+                "reclaimed": int(row["reclaimed"]),
+                "repins": int(row["repins"]),
+                "metadata": validation.metadata(json.loads(meta) if meta is not None else None),
+                **health.replica_status(row, now, inflight),
+                **health.last_error(row, now),
             }
-            report = engine.from_stored(row[16], int(now))
+            report = engine.from_stored(row.get("engine", ""), now)
             if report is not None:
-                replicas[sid]["engine"] = report
+                replicas[row["id"]]["engine"] = report
         return {
             "name": self.name,
             "servers": {sid: r["inflight"] for sid, r in replicas.items()},
@@ -1083,7 +1073,7 @@ class BalancerCore:
             "active_servers": sum(not r["draining"] for r in replicas.values()),
             "draining_servers": sorted(sid for sid, r in replicas.items() if r["draining"]),
             "registered_handles": len(self.handles),
-            "sticky_sessions": int(sessions),
+            "sticky_sessions": int(found["sessions"]),
             "full_determinism": self.full_determinism,
             "policy": {"name": self.policy.name, **self.policy.options()},
             "sticky_ttl": self.sticky_ttl,
@@ -1098,7 +1088,7 @@ class BalancerCore:
                 dataclasses.asdict(self.engine_scoring) if self.engine_scoring else None
             ),
             "sticky_min_cached": float(self.min_cached) if self.min_cached else None,
-            "holders": health.holders_status(holders),
+            "holders": health.holders_status(found["holders"]),
             "ejection": health.ejection_status(
                 self.eject_after,
                 self.eject_for,
@@ -1108,7 +1098,7 @@ class BalancerCore:
             ),
             "ejected_servers": sorted(s for s, r in replicas.items() if r["ejected_until"]),
             "full_servers": sorted(s for s, r in replicas.items() if r["full"]),
-            "waiting": health.waiting_status(waiting),
+            "waiting": health.waiting_status(found["waiting"]),
             "replicas": replicas,
             "dp_replicas": dp.grouped(replicas),
         }

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 EJECT_FOR = 30.0  # s: the first ejection's length (Envoy's base_ejection_time)
@@ -107,23 +107,23 @@ def capacities(servers: Mapping[str, Any], given: Mapping[str, int] | None) -> d
     return out
 
 
-def replica_status(row: Sequence[Any], now: int, inflight: int) -> dict[str, Any]:
-    """A status row's health and admission fields (status.lua's order)."""
-    cap, until, why, streak, failures, ejections = row
-    cap = int(cap) if cap not in (b"", "", None) else None
-    ejected = until not in (b"", "", None)
-    until_ms = int(float(until)) if ejected else None
+def replica_status(row: Mapping[str, Any], now: int, inflight: int) -> dict[str, Any]:
+    """A status replica's health and admission fields (status.lua, by name)."""
+    cap, until = row.get("capacity"), row.get("ejected_until")
+    cap = int(cap) if cap is not None else None
+    until_ms = int(until) if until is not None else None
+    streak = int(row["streak"])
     return {
         "capacity": cap,
         "full": cap is not None and inflight >= cap,
         "ejected_until": until_ms / 1000 if until_ms is not None else None,
         "ejected_for": max(0.0, (until_ms - now) / 1000) if until_ms is not None else None,
-        "ejected_why": (why.decode() if isinstance(why, bytes) else why) or None,
+        "ejected_why": row.get("ejected_why") or None,
         # Its last outcome was a failure (a request or a probe), ejection on or off.
-        "failing": int(streak) > 0,
-        "failures_in_a_row": int(streak),
-        "failures": int(failures),
-        "ejections_in_a_row": int(ejections),
+        "failing": streak > 0,
+        "failures_in_a_row": streak,
+        "failures": int(row["failures"]),
+        "ejections_in_a_row": int(row["ejections"]),
     }
 
 
@@ -137,14 +137,14 @@ def reason(text: str) -> str:
     return _USER_INFO.sub("***@", " ".join(str(text).split()))[:MAX_REASON]
 
 
-def last_error(row: Sequence[Any], now: int) -> dict[str, Any]:
-    """A status row's last failure (status.lua): its reason, and when (s, epoch) and how long
-    ago; None when none was reported since the replica joined."""
-    why, at = (v.decode() if isinstance(v, bytes) else v for v in row)
-    if not at:
+def last_error(row: Mapping[str, Any], now: int) -> dict[str, Any]:
+    """A status replica's last failure (status.lua): its reason, and when (s, epoch) and how
+    long ago; None when none was reported since the replica joined."""
+    at = row.get("last_error_at")
+    if at is None:
         return {"last_error": None, "last_error_at": None, "last_error_age": None}
     return {
-        "last_error": why,
+        "last_error": row.get("last_error", ""),
         "last_error_at": int(at) / 1000,
         "last_error_age": max(0.0, (now - int(at)) / 1000),
     }
@@ -161,28 +161,28 @@ HOLDER_FIELDS = (
 )
 
 
-def holders_status(row: Sequence[Any]) -> dict[str, Any]:
+def holders_status(found: Mapping[str, Any]) -> dict[str, Any]:
     """Worker processes by liveness (status.lua): live (heard within their lease_ttl), dead,
     and unheard (their deadline passed during a gap in heartbeats: on probation, reclaimed
     when it ends unless heard again), with how long since the longest unheard was heard and
     whether the probation runs already (else the next heartbeat, acquire or reap starts it).
     ``on_probation`` is ``unheard`` under the name earlier versions used."""
-    out: dict[str, Any] = dict(zip(HOLDER_FIELDS, map(int, row), strict=False))
+    out: dict[str, Any] = {field: int(found[field]) for field in HOLDER_FIELDS}
     out["on_probation"] = out["unheard"]
-    out["probation_running"] = int(row[len(HOLDER_FIELDS)]) == 1
+    out["probation_running"] = bool(found["probation_running"])
     return out
 
 
-def waiting_status(row: Sequence[Any]) -> dict[str, Any]:
-    waiting, oldest, served, waited, longest, timed_out, abandoned = map(int, row)
+def waiting_status(found: Mapping[str, Any]) -> dict[str, Any]:
+    served = int(found["served"])
     return {
-        "now": waiting,
-        "oldest_wait": oldest / 1000,
+        "now": int(found["now"]),
+        "oldest_wait": int(found["oldest_ms"]) / 1000,
         "served": served,
-        "mean_wait": waited / served / 1000 if served else 0.0,
-        "max_wait": longest / 1000,
-        "timed_out": timed_out,
-        "abandoned": abandoned,
+        "mean_wait": int(found["waited_ms"]) / served / 1000 if served else 0.0,
+        "max_wait": int(found["max_ms"]) / 1000,
+        "timed_out": int(found["timed_out"]),
+        "abandoned": int(found["abandoned"]),
     }
 
 

@@ -41,7 +41,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from redis_router import AsyncRedisLoadBalancer, NoCapacity, NoServersAvailable, RedisLoadBalancer
-from redis_router.core import RESEND_WINDOW_MS, Call, new_token
+from redis_router.core import Call, new_token
 from redis_router.local_server import LocalServer, first_server_binary
 from redis_router.outbox import Released
 from redis_router.plugins.least_tokens import AsyncLeastTokensRouter, LeastTokensRouter
@@ -272,8 +272,7 @@ class Listener:
     def __init__(self, lb: Any) -> None:
         c = lb._core
         self._lb, self.holder = lb, c.holder
-        self._args = (c.holder, c.lease_ms, c.sticky_ms, c.max_age_ms, RESEND_WINDOW_MS, 0,
-                      *c.routing, c.ejection, c.engine, c.min_cached, c.spread)  # fmt: skip
+        self._args = c.heartbeat_args(budget=0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()

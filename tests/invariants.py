@@ -193,12 +193,10 @@ def listen(lb: Any, seconds: float, ttl_ms: int = 500) -> None:
     nobody is heard looks to Redis like a pause of its own)."""
     import time
 
-    from redis_router.core import RESEND_WINDOW_MS, Call
+    from redis_router.core import Call
     from redis_router.scripts import load
 
-    c = lb._core
-    args = (f"{c.holder}-listener", ttl_ms, c.sticky_ms, c.max_age_ms, RESEND_WINDOW_MS, 0,
-            *c.routing, c.ejection, c.engine, c.min_cached, c.spread)  # fmt: skip
+    args = lb._core.heartbeat_args(f"{lb._core.holder}-listener", lease_ms=ttl_ms, budget=0)
     until = time.monotonic() + seconds
     while time.monotonic() < until:
         lb._exec(Call(load("heartbeat"), args))

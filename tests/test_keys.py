@@ -4,8 +4,10 @@ leaves nothing of a balancer that used every core feature."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,15 +52,23 @@ def test_generated_schema_and_destroy_list_are_current() -> None:
     assert keys.drift(ROOT) == [], "run: python -m redis_router.keys --write"
 
 
-def test_the_scripts_pin_the_settings_the_core_sends_in_its_order() -> None:
-    """lib/holders.lua checks a process's settings (sent in core.PINNED_SETTINGS's order)
-    against the pinned fields of ``P config`` it lists: the two lists must be one."""
+def test_the_pinned_settings_are_listed_once_and_pinned_by_name(make_lb: Any, r: Any) -> None:
+    """The scripts take a balancer's settings as one map by name (core.config): its pinned
+    part is core.PINNED_SETTINGS, which no script lists again, and the first acquire pins
+    exactly those fields, with the values the process sent."""
     from redis_router.core import PINNED_SETTINGS
 
-    source = (Path(keys.__file__).parent / "lua" / "lib" / "holders.lua").read_text()
-    table = re.search(r"local PINNED = \{([^}]*)\}", source)
-    assert table is not None, "lib/holders.lua no longer lists PINNED"
-    assert tuple(re.findall(r"'([a-z_]+)'", table.group(1))) == PINNED_SETTINGS
+    lua = Path(keys.__file__).parent / "lua"
+    for script in (*lua.glob("*.lua"), *lua.glob("lib/*.lua")):
+        text = script.read_text()
+        assert "'sticky_min_cached'" not in text and "'affinity_margin'" not in text, script
+    lb = make_lb(servers={"a": "http://a"}, affinity_margin=2, group_cap=3, eject_after=2)
+    sent = json.loads(lb._core.config)
+    assert tuple(sent["pinned"]) == tuple(sorted(PINNED_SETTINGS))
+    lb.acquire_server("s1")
+    pinned = r.hgetall(f"{lb._core.prefix}config")
+    assert pinned == sent["pinned"] == lb._core.settings()
+    assert pinned["affinity_margin"] == "2" and pinned["group_cap"] == "3"
 
 
 def test_the_registry_names_each_key_once_with_a_known_type() -> None:

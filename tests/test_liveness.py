@@ -201,7 +201,7 @@ def test_status_shows_live_and_dead_holders(make_lb, r):
     assert seen["on_probation"] == 1 and seen["unheard_leases"] == 2
     assert seen["unheard_ms"] >= 350  # slept 0.4 s since it was last heard (ms rounding)
     # Another process's heartbeats (reaping nothing: budget 0) are heard past the probation.
-    listener = [watcher._core.holder, 200, *_heartbeat_tail(watcher)]
+    listener = watcher._core.heartbeat_args(lease_ms=200, budget=0)
     until = time.monotonic() + 0.5
     while time.monotonic() < until:
         r.eval(load("heartbeat").source, 1, invariants.prefix(watcher.name), *listener)
@@ -212,22 +212,6 @@ def test_status_shows_live_and_dead_holders(make_lb, r):
         "dead": 1,
         "awaiting_reclaim": 2,
     }
-
-
-def _heartbeat_tail(lb: Any) -> list[Any]:
-    """heartbeat.lua's arguments after holder and lease ttl, with a reaping budget of 0."""
-    c = lb._core
-    return [
-        c.sticky_ms,
-        c.max_age_ms,
-        core.RESEND_WINDOW_MS,
-        0,
-        *c.routing,
-        c.ejection,
-        c.engine,
-        c.min_cached,
-        c.spread,
-    ]
 
 
 FORKED = """

@@ -11,22 +11,20 @@ local function lease_record(policy, i, id, field, holder)
   return field .. SEP .. holder .. SEP .. w
 end
 
--- Affinity tolerance (ARGV[7], ARGV[8]; nil = off): a sticky session whose replica takes new
--- sessions is re-pinned by the policy when that replica's in-flight count exceeds the least
--- loaded one's by more than MARGIN requests and is above RATIO times it (taken as at least 1);
--- both when both are set. Counted per replica left in P.."repins".
-local MARGIN, RATIO = nil, nil -- per call
--- Eviction-aware stickiness (sticky_min_cached, a share in (0, 1]; nil = off), an option of
--- a policy that reads an index of what the replicas' caches hold: a sticky turn whose replica
--- no longer holds that share of the prompt (policy.evicted(i, old, share)) is placed anew by
--- the policy, as a new session would be, and counted as a re-pin when it leaves.
-local MINCACHED = nil -- per call
--- HOLD: ejected_sticky = 'wait' (the pinned ejection settings' last field): a sticky session
--- whose replica is ejected is refused (EJECTED) instead of balanced anew, and waits for it.
-local HOLD = false -- per call
+-- The settings an acquire reads are its config (`cfg`, lib/base.lua config()), passed along:
+-- - Affinity tolerance (cfg.margin, cfg.ratio; nil = off): a sticky session whose replica
+--   takes new sessions is re-pinned by the policy when that replica's in-flight count exceeds
+--   the least loaded one's by more than margin requests and is above ratio times it (taken as
+--   at least 1); both when both are set. Counted per replica left in P.."repins".
+-- - Eviction-aware stickiness (cfg.min_cached, a share in (0, 1]; nil = off), an option of a
+--   policy that reads an index of what the replicas' caches hold: a sticky turn whose replica
+--   no longer holds that share of the prompt (policy.evicted(i, old, share)) is placed anew by
+--   the policy, as a new session would be, and counted as a re-pin when it leaves.
+-- - cfg.hold: ejected_sticky = 'wait' (the pinned ejection settings' last field): a sticky
+--   session whose replica is ejected is refused (EJECTED) instead of balanced anew, and waits.
 
 -- True when the sticky replica `old` (in P.."load") is too far above the least loaded.
-local function overloaded(old)
+local function overloaded(old, cfg)
   local s = redis.call('ZSCORE', LOAD, old)
   if not s then return false end -- draining: it serves its sticky sessions only
   local m
@@ -41,21 +39,23 @@ local function overloaded(old)
     if not LL.min then load_peek() end
     m = LL.min
   end
-  return (not MARGIN or s - m > MARGIN) and (not RATIO or s > RATIO * math.max(m, 1))
+  local margin, ratio = cfg.margin, cfg.ratio
+  return (not margin or s - m > margin) and (not ratio or s > ratio * math.max(m, 1))
 end
 
 -- Group affinity (a request's group id, ARGV[i + 3]; "" = none): a new session of a group
 -- goes where the group's last member went while that replica takes new sessions and holds
--- fewer than CAP (ARGV[9], nil = no cap) members placed there in a row; else the policy
+-- fewer than cfg.cap (nil = no cap) members placed there in a row; else the policy
 -- places it and the group follows it there. Entries live in time buckets as sticky ones do.
 -- groups() makes the procedures on a script's first group, so a call without one defines
 -- none of them: state is group id -> { id, n (members in a row), b (its bucket) }, read once
 -- per script, and the writes go at the end (flush), so a batch and one request at a time end
 -- the same.
-local CAP, GROUPS = nil, nil -- per call
+local GROUPS = nil -- per call
 
-local function groups(cur, span, width, ttl)
+local function groups(cur, cfg)
   if GROUPS then return GROUPS end
+  local span, width, ttl, cap = cfg.span, cfg.width_ms, cfg.sticky_ms, cfg.cap
   local state, dirty = {}, {}
   local function of(g)
     local s = state[g]
@@ -76,7 +76,7 @@ local function groups(cur, span, width, ttl)
     -- The replica a new member of group g joins, or nil: the policy decides.
     target = function(g)
       local s = of(g)
-      if s.id and (not CAP or s.n < CAP) and redis.call('ZSCORE', LOAD, s.id) then return s.id end
+      if s.id and (not cap or s.n < cap) and redis.call('ZSCORE', LOAD, s.id) then return s.id end
       return nil
     end,
     joined = function(g, id)
@@ -113,7 +113,8 @@ end
 
 -- One request (the common case): the straight sequential procedure, without the batch's
 -- tables. Its arguments start at ARGV[i]; the caller has reaped and knows `now` and `cur`.
-local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
+local function acquire_one(i, policy, now, cur, holder, cfg)
+  local width, ttl, span = cfg.width_ms, cfg.sticky_ms, cfg.span
   local req, token = ARGV[i], ARGV[i + 1]
   local rec = redis.call('HGET', P .. 'leases', token)
   if rec then
@@ -131,20 +132,21 @@ local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
   -- A sticky replica is counted where it is (ZADD XX INCR is a no-op outside the set), so a
   -- sticky hit needs no membership lookup; only a new session needs the NOSERVERS check.
   local id, how, stay = old, 1, old
-  local moved = old and (MARGIN or RATIO) and overloaded(old)
-  if old and not moved and MINCACHED and policy.evicted(i, old, MINCACHED) then
+  local moved = old and (cfg.margin or cfg.ratio) and overloaded(old, cfg)
+  local share = policy.evicted and cfg.min_cached
+  if old and not moved and share and policy.evicted(i, old, share) then
     moved = pool_of(old) ~= nil -- (a replica out of the pool loses its sessions anyway)
   end
   if moved then stay = nil end
   if not (stay and redis.call('ZADD', LOAD, 'XX', 'INCR', '1', old)) then
     if not (stay and redis.call('ZADD', P .. 'draining', 'XX', 'INCR', '1', old)) then
-      local held = HOLD and old and not (EXCL and EXCL.set[old]) and admit().held(old, now)
+      local held = cfg.hold and old and not (EXCL and EXCL.set[old]) and admit().held(old, now)
       if held then return held end
       -- (engine-aware, the pick reads scores, not counts: no replica to pick is refused below)
       if not (ENGINE or LL.min) and not load_peek() then return admit().refused() end
       local g = not moved and ARGV[i + 3]
       if g == '' then g = nil end
-      local grp = g and groups(cur, span, width, ttl)
+      local grp = g and groups(cur, cfg)
       id, how = grp and grp.target(g) or policy.choose(i), 0
       if not id then return admit().refused() end
       redis.call('ZINCRBY', LOAD, '1', id)
@@ -191,21 +193,14 @@ local function acquire_one(i, policy, now, cur, holder, width, ttl, span)
 end
 
 -- The acquire procedure every router shares (the core's acquire.lua and plugins' scripts).
--- ARGV[1] holder's lease ttl (ms: its heartbeat deadline is pushed to now + this),
--- ARGV[2] sticky bucket width (ms), ARGV[3] sticky ttl (ms), ARGV[4] buckets to search back,
--- ARGV[5] router flag (core: 1 = full_determinism), ARGV[6] holder, ARGV[7] affinity margin,
--- ARGV[8] affinity ratio ("" = off: a sticky session stays however loaded its replica is),
--- ARGV[9] group cap ("" = none), ARGV[10] group_by (only checked against the pinned one),
--- ARGV[11] ejection settings (pinned; lib/health.lua), ARGV[12] waiting ticket ("" = none),
--- ARGV[13] engine-aware scoring (pinned; lib/scoring.lua; "" = off), ARGV[14] spread_sessions
--- (pinned; "1" = new sessions' ties go to the replica with the fewest pinned sessions),
--- ARGV[15] exclusion (server ids joined by SEP, "" = none: lib/admission exclude());
+-- ARGV[1] the balancer's settings (lib/base.lua config()), ARGV[2] holder (its heartbeat
+-- deadline is pushed to now + its lease ttl), ARGV[3] waiting ticket ("" = none), ARGV[4]
+-- exclusion (server ids joined by SEP, "" = none: lib/admission exclude());
 -- then `stride` arguments per request starting at ARGV[HEAD + 1]: request id, lease token,
 -- random integer, group id ("" = none), then the router's own from ARGV[i + OWN].
 -- `policy` is the routing policy's Lua side, a table of functions of the ARGV index i where a
 -- request's arguments start: choose(i) picks the replica for a new session (nil: none);
--- min_cached, if given, is the policy's sticky_min_cached as pinned ("" = off; a string, the
--- same for every call of a process), and evicted(i, old, share) says whether replica `old` of
+-- evicted(i, old, share), if given, says whether replica `old` of
 -- a sticky request no longer holds `share` of its prompt (asked only while it is on);
 -- weight(i), if given, is the request's weight (a number >= 0) for the replica's weighted
 -- load; granted(i, id, token), if given, runs after each new lease is counted (its replica's
@@ -222,32 +217,29 @@ end
 -- lookups are read up front (one HMGET per key) and the writes that commute are grouped per
 -- replica at the end, so a batch of K costs a few calls per request, not ~20.
 local function acquire_all(stride, policy)
-  local lease_ms, width, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-  local span, holder = tonumber(ARGV[4]), ARGV[6]
+  local cfg, holder = config(ARGV[1]), ARGV[2]
+  local width, ttl, span = cfg.width_ms, cfg.sticky_ms, cfg.span
   local now = now_ms()
   local cur = math.floor(now / width)
   -- An acquire is a heartbeat of its holder, and reaps nothing: the holders' keepers do,
   -- in short calls of their own, so no acquire is slowed by another process's crash.
-  local mismatch = heartbeat(holder, now, lease_ms, ARGV[3], ARGV[7], ARGV[8], ARGV[9],
-    ARGV[10], ARGV[11], ARGV[13], policy.min_cached or '', ARGV[14])
+  local mismatch = heartbeat(holder, now, cfg.lease_ms, cfg)
   if mismatch then return mismatch end
   -- spread_sessions (pinned): new sessions' ties go to the fewest pinned sessions
   -- (lib/picking). Lookups then stop at the oldest live sticky bucket (bucket b expires at
   -- (b + 1) * width + ttl), so an entry at its very expiry is neither found nor counted.
-  if ARGV[14] == '1' then
+  if cfg.spread then
     SEAT = { lo = math.max(cur - span, math.floor((now - ttl) / width)), cur = cur, d = {} }
   end
-  MARGIN, RATIO, CAP = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
-  MINCACHED = policy.evicted and tonumber(policy.min_cached or '')
+  local share = policy.evicted and cfg.min_cached
   -- Engine-aware scoring (lib/scoring.lua), pinned as the other settings.
-  if ARGV[13] ~= '' then
-    ENGINE = scoring().setting(ARGV[13])
+  if cfg.engine then
+    ENGINE = cfg.engine
     scoring().ready(now)
   end
   -- Health and admission (lib/admission.lua): free while no ejection is due, no replica declares
   -- a capacity and nobody waits.
-  if ARGV[11] ~= '' then
-    HOLD = string.sub(ARGV[11], -5) == ' wait'
+  if cfg.ejection then
     if redis.call('ZRANGEBYSCORE', P .. 'ejected', '-inf', int(now), 'LIMIT', '0', '1')[1] then
       admit().restore_due(now)
     end
@@ -263,7 +255,7 @@ local function acquire_all(stride, policy)
     admit().exclude(ARGV[HEAD])
   end
   if #ARGV == HEAD + stride then
-    local out = acquire_one(HEAD + 1, policy, now, cur, holder, width, ttl, span)
+    local out = acquire_one(HEAD + 1, policy, now, cur, holder, cfg)
     if EXCL then admit().readmit() end
     return TICKET and admit().served(out, now) or out
   end
@@ -314,7 +306,7 @@ local function acquire_all(stride, policy)
   end
 
   -- A session held by its ejected replica (HOLD) refuses the whole batch, before any write.
-  if HOLD then
+  if cfg.hold then
     for j = 1, n do
       local old = not recs[j] and sid[reqs[j]]
       local held = old and not (EXCL and EXCL.set[old]) and admit().held(old, now)
@@ -361,8 +353,8 @@ local function acquire_all(stride, policy)
     else
       local old, ob = sid[req], sb[req]
       local zs = old and pool(old)
-      local moved = zs == LOAD and (MARGIN or RATIO) and overloaded(old)
-      if zs and not moved and MINCACHED then moved = policy.evicted(i, old, MINCACHED) end
+      local moved = zs == LOAD and (cfg.margin or cfg.ratio) and overloaded(old, cfg)
+      if zs and not moved and share then moved = policy.evicted(i, old, share) end
       if moved then zs = nil end
       if zs then
         id, how = old, 1
@@ -371,7 +363,7 @@ local function acquire_all(stride, policy)
       else
         local g = not moved and ARGV[i + 3]
         if g == '' then g = nil end
-        local grp = g and groups(cur, span, width, ttl)
+        local grp = g and groups(cur, cfg)
         zs, how, id = LOAD, 0, grp and grp.target(g) or policy.choose(i)
         if moved and id ~= old then redis.call('HINCRBY', P .. 'repins', old, '1') end
         if grp then grp.joined(g, id) end

@@ -8,7 +8,7 @@
 -- at (ms); a waiter blocks on P.."wake:"..ticket (BLPOP) and is woken when a replica may take
 -- new sessions again.
 -- CAPS: set by an acquire (one EXISTS per call) while some replica declares a capacity;
--- TICKET: the waiting ticket that acquire serves (ARGV[12]) while someone waits.
+-- TICKET: the waiting ticket that acquire serves (ARGV[3]) while someone waits.
 local CAPS, TICKET = false, nil -- per call
 local OFF = nil -- per call; P.."off", named by admit() on a call's first use
 local ADMIT = nil -- once per library: the procedures below, which hold no state of a call
@@ -205,7 +205,7 @@ local function admit()
   -- granted yet (conservative: a sticky one may not need one). Returns the refusal, or nil.
   function M.admission(now, stride)
     CAPS = redis.call('EXISTS', P .. 'capacity') == 1
-    if ARGV[12] ~= '' then TICKET = ARGV[12] end
+    if ARGV[3] ~= '' then TICKET = ARGV[3] end
     local head = M.first_waiter(now)
     local queued = head and head ~= TICKET
     local n = (#ARGV - HEAD) / stride

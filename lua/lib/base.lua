@@ -14,16 +14,11 @@
 local P = KEYS[1] -- per call
 local SEP = '\31'
 local LOAD = P .. 'load' -- per call
--- ARGV[1..HEAD] of every acquire: lease ttl (ms), sticky bucket width (ms), sticky ttl (ms),
--- buckets to search back, router flag, holder, affinity margin (in-flight requests, "" = off),
--- affinity ratio ("" = off), group cap (members, "" = none), group_by (pinned only),
--- ejection settings (pinned, lib/health.lua; "" = off; ends in ' wait' for ejected_sticky =
--- 'wait'), waiting ticket ("" = none), engine-aware scoring (pinned, lib/scoring.lua),
--- spread_sessions (pinned, lib/picking.lua; "1" = on, "" = off), exclusion (server ids
--- joined by SEP, "" = none: lib/acquiring.lua).
+-- ARGV[1..HEAD] of every acquire: the balancer's settings (config() below), holder, waiting
+-- ticket ("" = none), exclusion (server ids joined by SEP, "" = none: lib/acquiring.lua).
 -- Requests start at ARGV[HEAD + 1]; each has OWN core arguments (request id, lease token,
 -- random integer, group id or "") before a policy's own, which start at ARGV[i + OWN].
-local HEAD = 15
+local HEAD = 4
 local OWN = 4
 -- The replicas an acquire was told to leave out (ARGV[HEAD]), set aside for the call by
 -- lib/acquiring.lua: { set = id -> true, back = { {sorted set, count, id}, ... } }; nil (no
@@ -35,6 +30,48 @@ local EXCL = nil -- per call
 -- as strings, and a batch groups per replica the writes that do not depend on order.
 local fmt = string.format -- per call (a library's load sees no standard library)
 local function int(n) return fmt('%d', n) end
+
+-- Engine-aware scoring's pinned setting "<ttl_ms> <kv_weight> <ceiling permille or ->" as
+-- { ttl, w, ceil }, nil when off ("").
+local function engine_setting(s)
+  if not s or s == '' then return nil end
+  local ttl, w, ceil = string.match(s, '^(%d+) (%S+) (%S+)$')
+  return { ttl = tonumber(ttl), w = tonumber(w), ceil = tonumber(ceil) }
+end
+
+-- The balancer's settings, by name: ARGV[1] of acquire (every routing policy's script) and of
+-- heartbeat, one JSON object a process makes once (redis_router.core, BalancerCore.config):
+-- lease_ms (the holder's lease ttl), width_ms (a sticky bucket's width), span (buckets to
+-- search back), deterministic (full_determinism), and pinned: { field = value } for the
+-- settings every process must share (P.."config"; "" = off; the fields are listed once, in
+-- redis_router.core.PINNED_SETTINGS). config(text) decodes a text once per library (a
+-- balancer's processes send one or two) with what the scripts derive from it: numbers parsed,
+-- the pinned fields sorted. The table is never written after that, so it carries nothing from
+-- one call to the next; under EVALSHA (no library) every call decodes.
+local CONFIGS = nil -- once per library: decoded settings by their text ([0]: how many)
+local function config(text)
+  local c = CONFIGS and CONFIGS[text]
+  if c then return c end
+  if not CONFIGS or CONFIGS[0] >= 8 then CONFIGS = { [0] = 0 } end
+  c = cjson.decode(text)
+  local p = c.pinned
+  c.fields, c.values = {}, {}
+  for field in pairs(p) do c.fields[#c.fields + 1] = field end
+  table.sort(c.fields)
+  for k, field in ipairs(c.fields) do c.values[k] = p[field] end
+  c.sticky_ms = tonumber(p.sticky_ttl_ms)
+  -- Affinity tolerance and group cap (lib/acquiring.lua; nil = off).
+  c.margin, c.ratio = tonumber(p.affinity_margin), tonumber(p.affinity_ratio)
+  c.cap = tonumber(p.group_cap)
+  c.min_cached = tonumber(p.sticky_min_cached) -- eviction-aware stickiness, nil = off
+  -- Passive health (lib/health.lua), and ejected_sticky = 'wait' (its last field).
+  c.ejection = p.ejection ~= ''
+  c.hold = string.sub(p.ejection, -5) == ' wait'
+  c.engine = engine_setting(p.engine)
+  c.spread = p.spread == '1'
+  CONFIGS[text], CONFIGS[0] = c, CONFIGS[0] + 1
+  return c
+end
 
 local function now_ms()
   local t = redis.call('TIME')

@@ -3,26 +3,22 @@
 -- not define (on every call) the functions that end and reap leases.
 
 -- Mark a holder alive until now + ttl (never moving its deadline back). The first time it is
--- seen (or again after it was declared dead, or the keys were lost) its process's settings
--- (`...`, in PINNED's order) are checked against the pinned ones, and a setting not pinned yet
--- is pinned: every process that acquires checks them, not only at start-up. Returns an error
--- reply "CONFIGMISMATCH <field> <pinned value>" on a mismatch, with nothing pinned.
-local function heartbeat(holder, now, ttl, ...)
+-- seen (or again after it was declared dead, or the keys were lost) its process's pinned
+-- settings (c = config(ARGV[1]), lib/base.lua) are checked against the pinned ones, and a
+-- setting not pinned yet is pinned: every process that acquires checks them, not only at
+-- start-up. Returns an error reply "CONFIGMISMATCH <field> <pinned value>" on a mismatch,
+-- with nothing pinned.
+local function heartbeat(holder, now, ttl, c)
   if redis.call('ZADD', P .. 'holders', 'GT', int(now + ttl), holder) == 0 then return nil end
   -- A holder new to Redis is heard now: a pause before its keeper's first beat is a gap too.
   liveness(now, ttl)
-  -- The settings every process of a balancer must share, as fields of P.."config" ("" = off)
-  -- (a table made only here: most calls of the scripts that load this part never get here).
-  local PINNED = { 'sticky_ttl_ms', 'affinity_margin', 'affinity_ratio', 'group_cap', 'group_by',
-    'ejection', 'engine', 'sticky_min_cached', 'spread' }
-  local mine = { ... }
-  local pinned = redis.call('HMGET', P .. 'config', unpack(PINNED))
+  local pinned = redis.call('HMGET', P .. 'config', unpack(c.fields))
   local fresh = {}
-  for k, field in ipairs(PINNED) do
-    local v = pinned[k]
+  for k, field in ipairs(c.fields) do
+    local v, mine = pinned[k], c.values[k]
     if not v then
-      fresh[#fresh + 1], fresh[#fresh + 2] = field, mine[k]
-    elseif v ~= mine[k] then
+      fresh[#fresh + 1], fresh[#fresh + 2] = field, mine
+    elseif v ~= mine then
       redis.call('ZREM', P .. 'holders', holder)
       return redis.error_reply('CONFIGMISMATCH ' .. field .. ' ' .. v)
     end

@@ -8,7 +8,7 @@
 -- slow replica's work) count as load, and the leases taken since the report keep the score
 -- fresh between scrapes. A report older than the ttl counts for nothing (counts alone).
 -- The setting is pinned in P.."config" field "engine": "<ttl_ms> <kv_weight> <ceiling permille
--- or ->", "" = off; an acquire sends it as ARGV[13].
+-- or ->", "" = off; an acquire sends it among its settings (lib/base.lua config()).
 -- Keys: P.."eextra" HASH id -> the extra applied (absent = 0); P.."escore" ZSET id -> count +
 -- extra, for every replica of the pool (I12, while the key exists: the first engine-aware
 -- acquire builds it, every count change, report and stale report keeps it).
@@ -39,12 +39,6 @@ local function scoring()
     WSCORE, WEXTRA = P .. 'wscore', P .. 'wextra'
   end
   if SCORING then return SCORING end
-
-  local function engine_setting(s)
-    if not s or s == '' then return nil end
-    local ttl, w, ceil = string.match(s, '^(%d+) (%S+) (%S+)$')
-    return { ttl = tonumber(ttl), w = tonumber(w), ceil = tonumber(ceil) }
-  end
 
   -- The extra of a report record "<at> <running> <waiting> <kv permille> <leases_at>" (0 when
   -- stale at `now`).
