@@ -152,7 +152,8 @@ def test_an_out_of_memory_spell_that_refuses_heartbeats_reclaims_no_live_lease(p
     try:
         with out_of_memory(r):
             with pytest.raises(redis.exceptions.ResponseError, match=r"OOM|maxmemory"):
-                r.eval(load("heartbeat").source, 1, invariants.prefix("faults"), "x", 1000)
+                beat = a._core.heartbeat_args("x", lease_ms=1000)
+                r.eval(load("heartbeat").source, 1, invariants.prefix("faults"), *beat)
             time.sleep(2.5 * ttl)
         _settle(ttl)
         assert invariants.check(r, "faults") == {"s0": 1, "s1": 1}
