@@ -9,6 +9,12 @@ script. Every variant runs ``calls`` times per round, rounds interleaved; the se
 makes) and the Redis commands each stage adds. Printed per stage: the median over rounds of
 the cumulative time, what the stage adds to the stage before, and its commands per call.
 
+Then the bound: the Redis commands one pair makes (read from ``SLOWLOG`` at threshold 0 for
+one acquire and its release) replayed by two Functions that make the same commands with the
+same arguments and no other Lua (the *oracle*), against one no-op FCALL with one key, all in
+the same rounds. A pair cannot cost less Redis time than the oracle while it makes those
+commands, so ``oracle / no-op`` is the floor of ``pair / no-op`` for this key schema.
+
 This checkout's scripts, by FCALL (Redis 7+ or Valkey): the cut points are lines of
 ``lua/lib/acquiring.lua`` and ``lua/release.lua``; one that is no longer there stops the run
 and names the stage.
@@ -85,6 +91,52 @@ def variants(script: Script, stages: tuple[tuple[str, str | None], ...]) -> list
     return out
 
 
+def recorded(r: redis.Redis, run: Callable[[], None]) -> list[list[str]]:
+    """The Redis commands ``run``'s script calls make, in order (SLOWLOG at threshold 0)."""
+    before = str(r.config_get("slowlog-log-slower-than")["slowlog-log-slower-than"])
+    r.config_set("slowlog-max-len", 1024)
+    r.config_set("slowlog-log-slower-than", 0)
+    r.slowlog_reset()
+    try:
+        run()
+        entries = r.slowlog_get(1024)
+    finally:
+        r.config_set("slowlog-log-slower-than", before)
+    out = []
+    for e in reversed(entries):  # newest first
+        words = e["command"].decode().split(" ")
+        if words[0].upper() not in ("FCALL", "SLOWLOG", "CONFIG"):
+            out.append(words)
+    return out
+
+
+def oracle(name: str, commands: list[list[str]]) -> str:
+    """A Functions library whose one function makes ``commands``, literally, and returns."""
+    calls = "\n".join(
+        "redis.call(" + ", ".join(_lua_string(w) for w in words) + ")" for words in commands
+    )
+    return (
+        f"#!lua name={name}\nredis.register_function{{function_name='{name}', "
+        f"callback=function(keys, argv)\n{calls}\nreturn 1\nend}}\n"
+    )
+
+
+def _lua_string(word: str) -> str:
+    escaped = word.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n")
+    return f"'{escaped}'"
+
+
+NOOP = (
+    "#!lua name=noop\n"
+    "redis.register_function{function_name='noop', callback=function(keys, argv) return 1 end}\n"
+)
+
+
+def _repeat(r: redis.Redis, fn: str, key: str, n: int) -> None:
+    for _ in range(n):
+        r.fcall(fn, 1, key)
+
+
 def timed(r: redis.Redis, run: Callable[[], None]) -> tuple[float, dict[str, float]]:
     """µs per FCALL and Redis commands per FCALL, of ``run``'s calls."""
     r.config_resetstat()
@@ -140,6 +192,23 @@ def main(argv: list[str] | None = None) -> int:
             for sid, rid, token in held:
                 r.fcall(fn, 1, prefix, sid, rid, token, uuid.uuid4().hex)
 
+        # The bound: one pair's commands, recorded, and replayed without the scripts' Lua.
+        # (After a few pairs: the holder is known and the sticky bucket has its expiry, as
+        # for the pairs timed below.)
+        for k in range(20):
+            sid, token = acquire(full_acquire.function, f"warm{k}")
+            release(full_release.function, [(sid, f"warm{k}", token)])
+        got: dict[str, tuple[str, str]] = {}
+        a_cmds = recorded(r, lambda: got.update(lease=acquire(full_acquire.function, "oracle")))
+        sid, token = got["lease"]
+        r_cmds = recorded(r, lambda: release(full_release.function, [(sid, "oracle", token)]))
+        bound = {
+            "noop": NOOP,
+            "oracle_acquire": oracle("oracle_acquire", a_cmds),
+            "oracle_release": oracle("oracle_release", r_cmds),
+        }
+        for lib in bound.values():
+            r.function_load(lib, replace=True)
         for rnd in range(args.rounds):
             for s in acquires:  # new sessions: a request id never seen
                 rids = [f"a{rnd}.{s.name}.{i}" for i in range(args.calls)]
@@ -165,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
                 us, inner[s.name] = timed(r, partial(release, s.function, held))
                 times[s.name].append(us)
                 release(full_release.function, held)  # what a cut variant left
+            for name in bound:
+                us, _ = timed(r, partial(_repeat, r, name, prefix, args.calls))
+                times.setdefault(name, []).append(us)
     print(
         f"{binary.label}; {args.calls} calls per variant, {args.rounds} interleaved rounds, "
         "medians; µs of Redis time per call (INFO commandstats)"
@@ -186,6 +258,22 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"  {stage:{width - 2}s} {m:8.1f} {m - prev:+7.1f}  {what}")
             prev = m
+    noop = statistics.median(times["noop"])
+    pair = statistics.median(
+        a + b for a, b in zip(times[acquires[-1].name], times[releases[-1].name], strict=True)
+    )
+    floor = statistics.median(
+        a + b for a, b in zip(times["oracle_acquire"], times["oracle_release"], strict=True)
+    )
+    print(
+        f"\nthe bound ({len(a_cmds)} + {len(r_cmds)} commands a pair: "
+        f"{' '.join(w[0].upper() for w in a_cmds)} | {' '.join(w[0].upper() for w in r_cmds)})"
+    )
+    print(f"  {'no-op FCALL, one key':{width - 2}s} {noop:8.1f}")
+    for what, us in (("the pair", pair), ("its commands alone (oracle)", floor)):
+        print(f"  {what:{width - 2}s} {us:8.1f}  {us / noop:5.1f}x the no-op")
+    lua = "the scripts' Lua beyond their commands"
+    print(f"  {lua:{width - 2}s} {pair - floor:8.1f}")
     return 0
 
 
