@@ -234,6 +234,50 @@ def test_pair_profile_names_every_stage_of_both_scripts_and_its_commands():
             assert math.isfinite(cumulative) and cumulative > 0
     text = done.stdout
     assert "ZINCRBY" in text and "HSETNX" in text and "HDEL" in text
+    # The bound: the pair, and its own commands replayed without its Lua, against a no-op.
+    (commands,) = [ln for ln in lines if ln.startswith("the bound (")]
+    made = re.match(r"the bound \((\d+) \+ (\d+) commands a pair", commands)
+    assert made and int(made.group(1)) >= 10 and int(made.group(2)) >= 5, commands
+    for what in ("the pair", "its commands alone (oracle)"):
+        row = re.compile(rf"^  {re.escape(what)} +(\S+) +(\S+)x the no-op$")
+        ((us, times),) = [
+            (float(m.group(1)), float(m.group(2))) for ln in lines if (m := row.match(ln))
+        ]
+        assert math.isfinite(us) and us > 0 and times > 1
+
+
+def test_option_cost_prices_every_option_against_the_default_pair():
+    """``python -m benchmarks.option_cost``: a row per option with finite Redis time, ratios
+    and commands per pair, the options' own commands beyond the default's (capacity's
+    admission reads, groups' entry, prefix_cache's index), and both targets judged."""
+    from benchmarks import option_cost
+
+    binary = next((b for b in find_server_binaries() if b.version_tuple >= (7,)), None)
+    assert binary is not None, "no server binary with Functions found"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.option_cost", "--pairs", "20", "--rounds", "2",
+         "--server-bin", binary.path],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    rows = {}
+    for ln in lines[2:]:
+        m = re.match(r"^(.+?) +(\S+) +(\S+) +(\S+-\S+) +(\S+) +(\S+)(?:  (.*))?$", ln)
+        if m:
+            rows[m.group(1)] = m.groups()[1:]
+    assert {"default", "spread_sessions", "no-op FCALL, one key"} <= set(rows)
+    assert len([r for r in rows if r.startswith(("capacity", "groups", "ejection", "engine",
+                                                  "prefix_cache"))]) == 5  # fmt: skip
+    for label, (us, ratio, _, noop, cmds, extra) in rows.items():
+        assert all(math.isfinite(float(v)) and float(v) >= 0 for v in (us, ratio, noop, cmds))
+        if label.startswith(("capacity", "groups", "prefix_cache")):
+            assert extra and "+" in extra, label  # the option's own commands
+    assert float(rows["default"][4]) >= 20  # a new session's pair: ~29 commands
+    assert float(rows["no-op FCALL, one key"][4]) == 0
+    targets = [ln for ln in lines if ln.startswith("target: ")]
+    assert len(targets) == 2 and all(ln.endswith(("(met)", "(NOT met)")) for ln in targets)
+    assert option_cost.BATCH == 64
 
 
 def test_release_records_weighs_both_layouts_at_both_fills(binary):
