@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import random
+import re
 import statistics
 import sys
 import uuid
@@ -110,15 +111,30 @@ def recorded(r: redis.Redis, run: Callable[[], None]) -> list[list[str]]:
     return out
 
 
-def oracle(name: str, commands: list[list[str]]) -> str:
-    """A Functions library whose one function makes ``commands``, literally, and returns."""
+def oracle(name: str, commands: list[list[str]], subs: dict[str, str]) -> str:
+    """A Functions library whose one function makes ``commands`` and returns. The arguments
+    are the recorded ones, but for the strings in ``subs`` (the request id and the token),
+    taken from the call's ARGV (``subs`` names the ARGV index), so a series of calls makes
+    the same keys and fields grow as the scripts' calls do."""
     calls = "\n".join(
-        "redis.call(" + ", ".join(_lua_string(w) for w in words) + ")" for words in commands
+        "redis.call(" + ", ".join(_lua_expr(w, subs) for w in words) + ")" for words in commands
     )
     return (
         f"#!lua name={name}\nredis.register_function{{function_name='{name}', "
         f"callback=function(keys, argv)\n{calls}\nreturn 1\nend}}\n"
     )
+
+
+def _lua_expr(word: str, subs: dict[str, str]) -> str:
+    """``word`` as a Lua expression: string literals, joined to ``argv[k]`` for each ``subs``
+    string found in it."""
+    pattern = "(" + "|".join(re.escape(s) for s in subs) + ")"
+    parts = [
+        f"argv[{subs[piece]}]" if piece in subs else _lua_string(piece)
+        for piece in re.split(pattern, word)
+        if piece
+    ]
+    return " .. ".join(parts) or "''"
 
 
 def _lua_string(word: str) -> str:
@@ -135,6 +151,11 @@ NOOP = (
 def _repeat(r: redis.Redis, fn: str, key: str, n: int) -> None:
     for _ in range(n):
         r.fcall(fn, 1, key)
+
+
+def _replay(r: redis.Redis, fn: str, key: str, pairs: list[tuple[str, str]]) -> None:
+    for rid, token in pairs:
+        r.fcall(fn, 1, key, rid, token)
 
 
 def timed(r: redis.Redis, run: Callable[[], None]) -> tuple[float, dict[str, float]]:
@@ -199,13 +220,15 @@ def main(argv: list[str] | None = None) -> int:
             sid, token = acquire(full_acquire.function, f"warm{k}")
             release(full_release.function, [(sid, f"warm{k}", token)])
         got: dict[str, tuple[str, str]] = {}
-        a_cmds = recorded(r, lambda: got.update(lease=acquire(full_acquire.function, "oracle")))
+        rid = "oracle-request-0"
+        a_cmds = recorded(r, lambda: got.update(lease=acquire(full_acquire.function, rid)))
         sid, token = got["lease"]
-        r_cmds = recorded(r, lambda: release(full_release.function, [(sid, "oracle", token)]))
+        r_cmds = recorded(r, lambda: release(full_release.function, [(sid, rid, token)]))
+        subs = {rid: "1", token: "2"}
         bound = {
             "noop": NOOP,
-            "oracle_acquire": oracle("oracle_acquire", a_cmds),
-            "oracle_release": oracle("oracle_release", r_cmds),
+            "oracle_acquire": oracle("oracle_acquire", a_cmds, subs),
+            "oracle_release": oracle("oracle_release", r_cmds, subs),
         }
         for lib in bound.values():
             r.function_load(lib, replace=True)
@@ -234,8 +257,11 @@ def main(argv: list[str] | None = None) -> int:
                 us, inner[s.name] = timed(r, partial(release, s.function, held))
                 times[s.name].append(us)
                 release(full_release.function, held)  # what a cut variant left
-            for name in bound:
-                us, _ = timed(r, partial(_repeat, r, name, prefix, args.calls))
+            us, _ = timed(r, partial(_repeat, r, "noop", prefix, args.calls))
+            times.setdefault("noop", []).append(us)
+            pairs = [(f"o{rnd}.{i}", uuid.uuid4().hex) for i in range(args.calls)]
+            for name in ("oracle_acquire", "oracle_release"):
+                us, _ = timed(r, partial(_replay, r, name, prefix, pairs))
                 times.setdefault(name, []).append(us)
     print(
         f"{binary.label}; {args.calls} calls per variant, {args.rounds} interleaved rounds, "
@@ -274,6 +300,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {what:{width - 2}s} {us:8.1f}  {us / noop:5.1f}x the no-op")
     lua = "the scripts' Lua beyond their commands"
     print(f"  {lua:{width - 2}s} {pair - floor:8.1f}")
+    for label, script in (("acquire", acquires[-1]), ("release", releases[-1])):
+        mine, bare = (
+            statistics.median(times[script.name]),
+            statistics.median(times[f"oracle_{label}"]),
+        )
+        what = f"  of which the {label}"
+        print(f"  {what:{width - 2}s} {mine - bare:8.1f}  ({mine:.1f} against {bare:.1f})")
     return 0
 
 
