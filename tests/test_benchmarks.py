@@ -244,6 +244,9 @@ def test_pair_profile_names_every_stage_of_both_scripts_and_its_commands():
             (float(m.group(1)), float(m.group(2))) for ln in lines if (m := row.match(ln))
         ]
         assert math.isfinite(us) and us > 0 and times > 1
+    (hand,) = [ln for ln in lines if ln.startswith("  the release written by hand")]
+    m = re.search(r" (\S+)  \(the library's: (\S+)\)$", hand)
+    assert m and all(math.isfinite(float(v)) and float(v) > 0 for v in m.groups()), hand
 
 
 def test_option_cost_prices_every_option_against_the_default_pair():
