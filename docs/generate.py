@@ -33,7 +33,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from redis_router import RedisLoadBalancer
-from redis_router.core import RESEND_WINDOW_MS, Call
+from redis_router.core import Call
 from redis_router.local_server import LocalServer, first_server_binary
 from redis_router.scripts import load
 
@@ -106,8 +106,7 @@ def heard(lb: RedisLoadBalancer) -> Iterator[None]:
     meanwhile, so a dead one is dead rather than on probation (a stretch with nobody heard looks
     like a pause of Redis), and its leases stay to be shown awaiting reclaim."""
     c = lb._core
-    args = (f"{c.holder}-heard", 1000, c.sticky_ms, c.max_age_ms, RESEND_WINDOW_MS, 0,
-            *c.routing, c.ejection, c.engine, c.min_cached, c.spread)  # fmt: skip
+    args = c.heartbeat_args(f"{c.holder}-heard", lease_ms=1000, budget=0)
     stop = threading.Event()
 
     def beat() -> None:
