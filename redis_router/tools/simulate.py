@@ -488,7 +488,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seeds",
         type=int,
         default=4,
-        help="with --kv, --rl or --engine: seeds (from --seed on) each row is averaged over",
+        help="with --kv, --rl, --engine or --shards: seeds (from --seed on) each row is averaged "
+        "over",
     )
     parser.add_argument(
         "--clients",
@@ -501,6 +502,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead: routing on the replicas' KV-cache events (least-loaded, approximate, "
         "exact, oracle) under KV pressure, with 1, 8 and 64 routing clients, in virtual time "
         "(redis_router.tools.simulate_kv)",
+    )
+    parser.add_argument(
+        "--shards",
+        nargs="?",
+        const="1,2,4,8,16",
+        metavar="K,K,...",
+        help="instead: where a new session goes in a pool split over K shards (hash, power of "
+        "two, join-idle-queue, a directory...), a placement model in virtual time, no Redis "
+        "(redis_router.tools.simulate_shards; default K: 1,2,4,8,16)",
     )
     parser.add_argument(
         "--engine",
@@ -600,6 +610,12 @@ def _ints(given: str, arg: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     """Run every (workload, router) pair, print the table and the targets."""
+    if args.shards is not None:
+        from . import simulate_shards
+
+        return simulate_shards.main(
+            args.seed, args.quick, sys.stdout, args.seeds, _ints(args.shards, "--shards")
+        )
     if args.rl:
         from . import simulate_rl
 
