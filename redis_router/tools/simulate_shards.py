@@ -86,6 +86,7 @@ WORKLOADS = ("agent", "agent-async", "grpo")
 SHARDS = (1, 2, 4, 8, 16)
 PUBLISH = 0.1  # seconds between a shard's publications of its in-flight total (directory)
 DELAY = 0.0005  # seconds from a placement's read to its acquire's reply (a round trip or two)
+HEARING = frozenset({"p2-stale", "jiq", "p2-guided"})  # the schemes that choose on replies
 CHOSEN = "directory"  # the placement the targets judge
 BALANCE_TARGET = 1.05  # a sharded placement's balance over global's
 HIT_POINTS = 1.0  # GRPO hit rate within this many points of K = 1's
@@ -188,7 +189,10 @@ class Placement:
         self.turn = [rng.randrange(k) for _ in range(DISPATCHERS)]
 
     def heard_from(self, process: int, shard: int) -> None:
-        self.heard[process][shard] = self.pool.summary(shard)
+        """A reply from ``shard`` to ``process``: what it tells of the shard (kept only by the
+        schemes that choose on it)."""
+        if self.scheme in HEARING:
+            self.heard[process][shard] = self.pool.summary(shard)
 
     def choose(self, key: str, process: int, now: float = 0.0) -> int:
         """The shard a new session (or group) ``key`` of ``process`` goes to, decided now on
