@@ -28,7 +28,7 @@ import contextlib
 import inspect
 import json
 from collections.abc import AsyncIterator, Generator, Iterator
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 
 import httpx
 
@@ -212,9 +212,15 @@ def _response(
     )
 
 
-class AsyncRouterTransport(httpx.AsyncBaseTransport):
-    """Route an ``httpx.AsyncClient``'s requests through an asyncio balancer
-    (:class:`~redis_router.AsyncRedisLoadBalancer` or a router built on it)."""
+Inner = TypeVar("Inner", httpx.BaseTransport, httpx.AsyncBaseTransport)
+
+
+class _Routed(Generic[Inner]):
+    """What both transports are made of: a balancer of their flavour, the routing rules and
+    the transport that sends to the replicas."""
+
+    _asyncio: ClassVar[bool]
+    _needs: ClassVar[str]  # the balancer a transport takes, and the one to use instead
 
     def __init__(
         self,
@@ -223,15 +229,30 @@ class AsyncRouterTransport(httpx.AsyncBaseTransport):
         retries: int = 2,
         session_header: str = DEFAULT_SESSION_HEADER,
         session_field: str | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: Inner | None = None,
     ) -> None:
-        if not inspect.iscoroutinefunction(getattr(balancer, "acquire", None)):
-            raise TypeError(
-                f"AsyncRouterTransport needs an asyncio balancer (AsyncRedisLoadBalancer), got "
-                f"{type(balancer).__name__}; use RouterTransport for a sync one"
-            )
+        acquire = getattr(balancer, "acquire", None)
+        if acquire is None or inspect.iscoroutinefunction(acquire) != self._asyncio:
+            raise TypeError(self._needs.format(type(balancer).__name__))
         self._rules = _Rules(balancer, retries, session_header, session_field)
-        self._inner = transport or httpx.AsyncHTTPTransport()
+        self._inner: Inner = transport or self._default_inner()
+
+    def _default_inner(self) -> Inner:
+        raise NotImplementedError
+
+
+class AsyncRouterTransport(_Routed[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport):
+    """Route an ``httpx.AsyncClient``'s requests through an asyncio balancer
+    (:class:`~redis_router.AsyncRedisLoadBalancer` or a router built on it)."""
+
+    _asyncio = True
+    _needs = (
+        "AsyncRouterTransport needs an asyncio balancer (AsyncRedisLoadBalancer), got {}; use "
+        "RouterTransport for a sync one"
+    )
+
+    def _default_inner(self) -> httpx.AsyncBaseTransport:
+        return httpx.AsyncHTTPTransport()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         raw = await request.aread()
@@ -257,27 +278,18 @@ class AsyncRouterTransport(httpx.AsyncBaseTransport):
         await self._inner.aclose()
 
 
-class RouterTransport(httpx.BaseTransport):
+class RouterTransport(_Routed[httpx.BaseTransport], httpx.BaseTransport):
     """Route an ``httpx.Client``'s requests through a sync balancer
     (:class:`~redis_router.RedisLoadBalancer` or a router built on it)."""
 
-    def __init__(
-        self,
-        balancer: Any,
-        *,
-        retries: int = 2,
-        session_header: str = DEFAULT_SESSION_HEADER,
-        session_field: str | None = None,
-        transport: httpx.BaseTransport | None = None,
-    ) -> None:
-        acquire = getattr(balancer, "acquire", None)
-        if acquire is None or inspect.iscoroutinefunction(acquire):
-            raise TypeError(
-                f"RouterTransport needs a sync balancer (RedisLoadBalancer), got "
-                f"{type(balancer).__name__}; use AsyncRouterTransport for an asyncio one"
-            )
-        self._rules = _Rules(balancer, retries, session_header, session_field)
-        self._inner = transport or httpx.HTTPTransport()
+    _asyncio = False
+    _needs = (
+        "RouterTransport needs a sync balancer (RedisLoadBalancer), got {}; use "
+        "AsyncRouterTransport for an asyncio one"
+    )
+
+    def _default_inner(self) -> httpx.BaseTransport:
+        return httpx.HTTPTransport()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         raw = request.read()
