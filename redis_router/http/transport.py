@@ -220,7 +220,6 @@ class _Routed(Generic[Inner]):
     the transport that sends to the replicas."""
 
     _asyncio: ClassVar[bool]
-    _needs: ClassVar[str]  # the balancer a transport takes, and the one to use instead
 
     def __init__(
         self,
@@ -233,7 +232,19 @@ class _Routed(Generic[Inner]):
     ) -> None:
         acquire = getattr(balancer, "acquire", None)
         if acquire is None or inspect.iscoroutinefunction(acquire) != self._asyncio:
-            raise TypeError(self._needs.format(type(balancer).__name__))
+            mine, twin, instead = (
+                ("an asyncio balancer (AsyncRedisLoadBalancer)", "RouterTransport", "a sync one")
+                if self._asyncio
+                else (
+                    "a sync balancer (RedisLoadBalancer)",
+                    "AsyncRouterTransport",
+                    "an asyncio one",
+                )
+            )
+            raise TypeError(
+                f"{type(self).__name__} needs {mine}, got {type(balancer).__name__}; use {twin} "
+                f"for {instead}"
+            )
         self._rules = _Rules(balancer, retries, session_header, session_field)
         self._inner: Inner = transport or self._default_inner()
 
@@ -246,10 +257,6 @@ class AsyncRouterTransport(_Routed[httpx.AsyncBaseTransport], httpx.AsyncBaseTra
     (:class:`~redis_router.AsyncRedisLoadBalancer` or a router built on it)."""
 
     _asyncio = True
-    _needs = (
-        "AsyncRouterTransport needs an asyncio balancer (AsyncRedisLoadBalancer), got {}; use "
-        "RouterTransport for a sync one"
-    )
 
     def _default_inner(self) -> httpx.AsyncBaseTransport:
         return httpx.AsyncHTTPTransport()
@@ -283,10 +290,6 @@ class RouterTransport(_Routed[httpx.BaseTransport], httpx.BaseTransport):
     (:class:`~redis_router.RedisLoadBalancer` or a router built on it)."""
 
     _asyncio = False
-    _needs = (
-        "RouterTransport needs a sync balancer (RedisLoadBalancer), got {}; use "
-        "AsyncRouterTransport for an asyncio one"
-    )
 
     def _default_inner(self) -> httpx.BaseTransport:
         return httpx.HTTPTransport()
