@@ -141,8 +141,8 @@ def test_ab_refuses_an_unknown_measure_naming_the_allowed_ones():
 
 
 def test_script_ab_times_both_versions_call_by_call():
-    """``python -m benchmarks.script_ab`` against the commit that added the exclusion to
-    every acquire's arguments (the last change of the arguments the client sends):
+    """``python -m benchmarks.script_ab`` against the commit that sent the settings as one
+    map (the last change of the arguments the client sends):
     both versions' scripts run on one server (an A/A run while no script has changed since)
     and every script and size gets a finite before, after and ratio."""
 
@@ -152,7 +152,7 @@ def test_script_ab_times_both_versions_call_by_call():
         ).stdout
 
     worktrees = worktree_paths()
-    rev = git("log", "--format=%H", "-1", "--grep", "Acquires take exclude=: the replicas named")
+    rev = git("log", "--format=%H", "-1", "--grep", "Settings cross into Lua as one map by name")
     rev = rev.strip()
     assert rev
     done = subprocess.run(
