@@ -39,8 +39,9 @@ T = TypeVar("T")
 # Seconds a written call may wait for its reply to be read when the process makes no other
 # call: the background reader's period.
 BOUND = 0.002
-# Seconds without a written call after which the reader sleeps until the next one wakes it
-# (before that it looks every BOUND seconds by itself).
+# Seconds after the latest written call during which the reader keeps looking every BOUND by
+# itself; after that it sleeps until a post wakes it, IDLE seconds at most.
+LINGER = 0.01
 IDLE = 1.0
 # Seconds close() and process exit wait for the replies of written calls.
 DRAIN_TIMEOUT = 5.0
@@ -388,10 +389,12 @@ class Outbox:
                 return False
             if not self._again:  # else: sent below, outside the lock, at once
                 if not self._written:
-                    # While calls come (one within IDLE), look again every BOUND unasked,
+                    # While calls come (one within LINGER), look again every BOUND unasked,
                     # so a post never has to wake this thread (a thread switch per post
-                    # measured ~8 % of a sync pair); quiet for IDLE, sleep until woken.
-                    if time.monotonic() - self._last_write < IDLE:
+                    # measured ~8 % of a sync pair); quiet for LINGER, sleep until a post
+                    # wakes it. A process whose requests take seconds so pays a few wakes
+                    # per release, not one every BOUND while it waits for them.
+                    if time.monotonic() - self._last_write < LINGER:
                         self._wake.wait(BOUND)
                         return not self._closed
                     self._idle = True

@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from redis_router import AsyncRedisLoadBalancer, NoCapacity
-from redis_router.outbox import IDLE, Released
+from redis_router.outbox import BOUND, LINGER, Released
 
 from . import invariants
 
@@ -143,8 +143,8 @@ class _CountedWakes(threading.Condition):
 
 def test_releases_that_keep_coming_do_not_wake_the_reader_and_a_quiet_one_sleeps(make_lb, r):
     """While releases keep coming the background reader looks every BOUND by itself: only
-    the first release, or one after a quiet IDLE, wakes it (waking a thread cost a sync pair
-    ~8 %). Replies are still read with no later call, and a quiet reader sleeps."""
+    the first release, or one after a quiet LINGER, wakes it (waking a thread cost a sync
+    pair ~8 %). Replies are still read with no later call, and a quiet reader sleeps."""
     lb = make_lb({"s0": "a", "s1": "b"})
     outbox = lb._outbox
     outbox._wake = counted = _CountedWakes(outbox._lock)
@@ -153,7 +153,7 @@ def test_releases_that_keep_coming_do_not_wake_the_reader_and_a_quiet_one_sleeps
         sid, _ = lb.acquire_server(f"r{i}")
         lb.release_server(sid, f"r{i}")
         now = time.monotonic()
-        quiet += now - last > IDLE / 2  # a stalled machine: that release may wake it
+        quiet += now - last > LINGER / 2  # a stalled machine: that release may wake it
         last = now
     assert counted.wakes <= 1 + quiet, (counted.wakes, quiet)
     sid, _ = lb.acquire_server("alone")
@@ -162,10 +162,38 @@ def test_releases_that_keep_coming_do_not_wake_the_reader_and_a_quiet_one_sleeps
     while not alone.done() and time.monotonic() < deadline:  # nothing else reads it
         time.sleep(0.01)
     assert alone.done() and alone.result() is True
-    deadline = time.monotonic() + IDLE + 10
+    deadline = time.monotonic() + LINGER + 10
     while not outbox._idle and time.monotonic() < deadline:
         time.sleep(0.05)
     assert outbox._idle  # asleep until the next release wakes it
+    assert invariants.check(r, lb.name) == {"s0": 0, "s1": 0}
+
+
+def test_a_release_then_a_long_wait_wakes_the_reader_a_few_times_not_every_bound(make_lb, r):
+    """A process whose requests take long (an LLM call between a release and the next acquire)
+    pays, per release, the wake its post makes, the read, and LINGER / BOUND looks, then the
+    reader sleeps: not a look every BOUND for as long as it waits (which kept a sync balancer
+    busy at a steady ~2 % of a core)."""
+    lb = make_lb({"s0": "a", "s1": "b"})
+    outbox = lb._outbox
+    sid, _ = lb.acquire_server("first")
+    lb.release_server(sid, "first").result()  # the reader is running
+    steps = [0]
+    step = outbox._reader_step
+
+    def counted() -> bool:
+        steps[0] += 1
+        return step()
+
+    outbox._reader_step = counted  # what the reader thread calls on each wake
+    for i in range(3):
+        sid, _ = lb.acquire_server(f"r{i}")
+        lb.release_server(sid, f"r{i}")
+        time.sleep(0.3)  # 150 BOUNDs
+    # Per release a handful of wakes and LINGER / BOUND looks (about 8 here), far fewer than
+    # the 150 BOUNDs each waits.
+    assert steps[0] < 3 * 0.3 / BOUND / 4, steps[0]
+    assert steps[0] <= 3 * (6 + LINGER / BOUND), steps[0]
     assert invariants.check(r, lb.name) == {"s0": 0, "s1": 0}
 
 
