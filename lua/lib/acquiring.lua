@@ -192,75 +192,16 @@ local function acquire_one(i, policy, now, cur, holder, cfg)
   return { id, redis.call('HGET', P .. 'servers', id), how }
 end
 
--- The acquire procedure every router shares (the core's acquire.lua and plugins' scripts).
--- ARGV[1] the balancer's settings (lib/base.lua config()), ARGV[2] holder (its heartbeat
--- deadline is pushed to now + its lease ttl), ARGV[3] waiting ticket ("" = none), ARGV[4]
--- exclusion (server ids joined by SEP, "" = none: lib/admission exclude());
--- then `stride` arguments per request starting at ARGV[HEAD + 1]: request id, lease token,
--- random integer, group id ("" = none), then the router's own from ARGV[i + OWN].
--- `policy` is the routing policy's Lua side, a table of functions of the ARGV index i where a
--- request's arguments start: choose(i) picks the replica for a new session (nil: none);
--- evicted(i, old, share), if given, says whether replica `old` of
--- a sticky request no longer holds `share` of its prompt (asked only while it is on);
--- weight(i), if given, is the request's weight (a number >= 0) for the replica's weighted
--- load; granted(i, id, token), if given, runs after each new lease is counted (its replica's
--- count is already +1; the lease records themselves are written when the whole batch is
--- routed).
--- Returns a flat array: per request, server id, JSON metadata, and 0 = balanced, 1 = sticky,
--- 2 = retry of a granted token; or the error NOSERVERS or NOCAPACITY (refused; CONFIGMISMATCH:
--- this process's pinned settings are not the pinned ones) before anything is written (a
--- call whose exclusion leaves no replica to go to is refused alike: lib/admission refused()).
--- Capacity: an acquire that fills a replica takes it off (filled), so no later pick, sticky
--- or new, reaches it until a lease there ends; a batch's cached level (LL) and pool lookups
--- forget it at once.
--- The result and the final state are those of acquiring the requests one after another; the
--- lookups are read up front (one HMGET per key) and the writes that commute are grouped per
--- replica at the end, so a batch of K costs a few calls per request, not ~20.
-local function acquire_all(stride, policy)
-  local cfg, holder = config(ARGV[1]), ARGV[2]
-  local width, ttl, span = cfg.width_ms, cfg.sticky_ms, cfg.span
-  local now = now_ms()
-  local cur = math.floor(now / width)
-  -- An acquire is a heartbeat of its holder, and reaps nothing: the holders' keepers do,
-  -- in short calls of their own, so no acquire is slowed by another process's crash.
-  local mismatch = heartbeat(holder, now, cfg.lease_ms, cfg)
-  if mismatch then return mismatch end
-  -- spread_sessions (pinned): new sessions' ties go to the fewest pinned sessions
-  -- (lib/picking). Lookups then stop at the oldest live sticky bucket (bucket b expires at
-  -- (b + 1) * width + ttl), so an entry at its very expiry is neither found nor counted.
-  if cfg.spread then
-    SEAT = { lo = math.max(cur - span, math.floor((now - ttl) / width)), cur = cur, d = {} }
-  end
-  local share = policy.evicted and cfg.min_cached
-  -- Engine-aware scoring (lib/scoring.lua), pinned as the other settings.
-  if cfg.engine then
-    ENGINE = cfg.engine
-    scoring().ready(now)
-  end
-  -- Health and admission (lib/admission.lua): free while no ejection is due, no replica declares
-  -- a capacity and nobody waits.
-  if cfg.ejection then
-    if redis.call('ZRANGEBYSCORE', P .. 'ejected', '-inf', int(now), 'LIMIT', '0', '1')[1] then
-      admit().restore_due(now)
-    end
-  end
-  if redis.call('EXISTS', P .. 'capacity', P .. 'waiters') > 0 then
-    local refusal = admit().admission(now, stride)
-    if refusal then return refusal end
-  end
-  -- The caller's exclusion (lib/admission exclude()), once admission has put back what
-  -- returns; every return from here on puts the excluded replicas back first.
-  if ARGV[HEAD] ~= '' then
-    if ENGINE then scoring().level() end -- scores are made from the sets: made now, whole
-    admit().exclude(ARGV[HEAD])
-  end
-  if #ARGV == HEAD + stride then
-    local out = acquire_one(HEAD + 1, policy, now, cur, holder, cfg)
-    if EXCL then admit().readmit() end
-    return TICKET and admit().served(out, now) or out
-  end
+-- A batch (more than one request in a call) goes in three steps, each a procedure over the
+-- batch's state B: batch_read reads up front what the requests need (their tokens' leases,
+-- their sticky entries), batch_route routes each request in order (its replica and count, at
+-- once; the writes that commute, kept in B), batch_write makes those writes, grouped. The
+-- result and the final state are those of acquiring the requests one after another; a
+-- refusal (batch_refusal) comes before anything is written.
 
-  -- Read up front: the leases of the tokens (retries) and the sticky entries of the requests.
+-- Read up front: the leases of the tokens (retries) and the sticky entries of the requests,
+-- newest bucket first: B.recs[j] (or nil), B.sid / B.sb: request id -> replica / bucket.
+local function batch_read(stride, cur, span)
   local n, reqs, toks = 0, {}, {}
   for i = HEAD + 1, #ARGV, stride do
     n = n + 1
@@ -295,17 +236,24 @@ local function acquire_all(stride, policy)
       pending, np = left, nl
     end
   end
-  local member = {} -- server id -> its pool sorted set, or false (pool is fixed during acquire)
-  local function pool(id)
-    local zs = member[id]
-    if zs == nil then
-      zs = pool_of(id) or false
-      member[id] = zs
-    end
-    return zs
-  end
+  return { n = n, reqs = reqs, toks = toks, recs = recs, sid = sid, sb = sb, member = {} }
+end
 
-  -- A session held by its ejected replica (HOLD) refuses the whole batch, before any write.
+-- The pool sorted set that holds replica id's count, or false (the pool is fixed during an
+-- acquire: each replica is looked up once per batch).
+local function batch_pool(B, id)
+  local zs = B.member[id]
+  if zs == nil then
+    zs = pool_of(id) or false
+    B.member[id] = zs
+  end
+  return zs
+end
+
+-- The reply that refuses the whole batch, or nil; asked before anything is written.
+local function batch_refusal(B, cfg, now)
+  local n, reqs, recs, sid = B.n, B.reqs, B.recs, B.sid
+  -- A session held by its ejected replica (HOLD) refuses the whole batch.
   if cfg.hold then
     for j = 1, n do
       local old = not recs[j] and sid[reqs[j]]
@@ -315,15 +263,35 @@ local function acquire_all(stride, policy)
   end
 
   -- With no replica taking new sessions, refuse the whole batch unless each request is a
-  -- retry or sticky to a pool member (a draining one), before anything is written.
+  -- retry or sticky to a pool member (a draining one).
   if not load_peek() then
     for j = 1, n do
-      if not recs[j] and not (sid[reqs[j]] and pool(sid[reqs[j]])) then
+      if not recs[j] and not (sid[reqs[j]] and batch_pool(B, sid[reqs[j]])) then
         return admit().readmit(admit().refused())
       end
     end
   end
+  return nil
+end
 
+-- Bucket b's session count of replica id changes by d (written at the end, per bucket).
+local function batch_count(B, b, id, d)
+  local per = B.sdelta[b]
+  if not per then
+    per = {}
+    B.sdelta[b] = per
+    B.skeys[#B.skeys + 1] = b
+  end
+  per[id] = (per[id] or 0) + d
+end
+
+-- Route each request in order: a retry gets its lease's replica, a sticky session its
+-- replica (unless affinity moves it), a new one the group's or the policy's choice; counts
+-- move at once (later choices see them), the rest is kept in B for batch_write. B.out is the
+-- reply: per request, server id, metadata, how.
+local function batch_route(B, policy, stride, cfg, cur, now, holder)
+  local n, reqs, toks, recs, sid, sb = B.n, B.reqs, B.toks, B.recs, B.sid, B.sb
+  local share = policy.evicted and cfg.min_cached
   local out, no = {}, 0
   local at = int(now)
   local granted_tok = {} -- tokens granted earlier in this batch -> lease record
@@ -333,16 +301,7 @@ local function acquire_all(stride, policy)
   local hits, hit_ids, meta, meta_ids = {}, {}, {}, {} -- meta: server id -> metadata
   local sticky_kv, ns = {}, 0
   local sticky_del = {} -- bucket -> request ids that left it
-  local sdelta, skeys = {}, {} -- bucket -> replica -> change in its session count
-  local function sticky_count(b, id, d)
-    local per = sdelta[b]
-    if not per then
-      per = {}
-      sdelta[b] = per
-      skeys[#skeys + 1] = b
-    end
-    per[id] = (per[id] or 0) + d
-  end
+  B.sdelta, B.skeys = {}, {} -- bucket -> replica -> change in its session count
   for j = 1, n do
     local i = HEAD + 1 + (j - 1) * stride
     local req, token = reqs[j], toks[j]
@@ -352,7 +311,7 @@ local function acquire_all(stride, policy)
       id, how = server_of(rec), 2
     else
       local old, ob = sid[req], sb[req]
-      local zs = old and pool(old)
+      local zs = old and batch_pool(B, old)
       local moved = zs == LOAD and (cfg.margin or cfg.ratio) and overloaded(old, cfg)
       if zs and not moved and share then moved = policy.evicted(i, old, share) end
       if moved then zs = nil end
@@ -371,7 +330,7 @@ local function acquire_all(stride, policy)
       local score = redis.call('ZINCRBY', zs, '1', id)
       if zs == LOAD then load_incremented(score, id) end
       if ENGINE then redis.call('ZADD', P .. 'escore', 'XX', 'INCR', '1', id) end
-      if CAPS and admit().filled(id) then member[id], LL.min = false, nil end
+      if CAPS and admit().filled(id) then B.member[id], LL.min = false, nil end
       local field = id .. SEP .. req
       granted_tok[token] = field
       lease_kv[nl + 1], lease_kv[nl + 2] = token, lease_record(policy, i, id, field, holder)
@@ -404,10 +363,10 @@ local function acquire_all(stride, policy)
             end
             d[#d + 1] = req
           end
-          sticky_count(ob, old, -1)
+          batch_count(B, ob, old, -1)
         end
         sticky_kv[ns + 1], sticky_kv[ns + 2], ns = req, id, ns + 2
-        sticky_count(cur, id, 1)
+        batch_count(B, cur, id, 1)
         if SEAT and old ~= id then -- the replicas' pinned sessions, at the end (lib/picking)
           local d = SEAT.d
           if old then d[old] = (d[old] or 0) - 1 end
@@ -427,8 +386,18 @@ local function acquire_all(stride, policy)
   local got = hmget(P .. 'servers', meta_ids, #meta_ids)
   for k, id in ipairs(meta_ids) do meta[id] = got[k] or false end
   for k = 1, no, 3 do out[k + 1] = meta[out[k]] end
+  B.out, B.lease_kv, B.owned_kv, B.nl = out, lease_kv, owned_kv, nl
+  B.held, B.held_ids, B.acquires, B.byreq, B.byreq_f = held, held_ids, acquires, byreq, byreq_f
+  B.hits, B.hit_ids, B.sticky_kv, B.ns, B.sticky_del = hits, hit_ids, sticky_kv, ns, sticky_del
+end
 
-  -- The writes that commute, grouped: lease records, the request index, sticky buckets, stats.
+-- The writes that commute, grouped: lease records, the request index, sticky buckets, stats.
+local function batch_write(B, holder, cur, cfg)
+  local width, ttl = cfg.width_ms, cfg.sticky_ms
+  local lease_kv, owned_kv, nl, held, held_ids = B.lease_kv, B.owned_kv, B.nl, B.held, B.held_ids
+  local acquires, byreq, byreq_f, hits, hit_ids = B.acquires, B.byreq, B.byreq_f, B.hits, B.hit_ids
+  local sticky_kv, ns, sticky_del, sdelta, skeys = B.sticky_kv, B.ns, B.sticky_del, B.sdelta,
+    B.skeys
   if nl > 0 then
     flat_call('HSET', P .. 'leases', lease_kv)
     flat_call('ZADD', P .. 'owned:' .. holder, owned_kv)
@@ -468,6 +437,81 @@ local function acquire_all(stride, policy)
       if d ~= 0 then redis.call('HINCRBY', P .. 'pinned', id, int(d)) end
     end
   end
+end
+
+-- The acquire procedure every router shares (the core's acquire.lua and plugins' scripts).
+-- ARGV[1] the balancer's settings (lib/base.lua config()), ARGV[2] holder (its heartbeat
+-- deadline is pushed to now + its lease ttl), ARGV[3] waiting ticket ("" = none), ARGV[4]
+-- exclusion (server ids joined by SEP, "" = none: lib/admission exclude());
+-- then `stride` arguments per request starting at ARGV[HEAD + 1]: request id, lease token,
+-- random integer, group id ("" = none), then the router's own from ARGV[i + OWN].
+-- `policy` is the routing policy's Lua side, a table of functions of the ARGV index i where a
+-- request's arguments start: choose(i) picks the replica for a new session (nil: none);
+-- evicted(i, old, share), if given, says whether replica `old` of
+-- a sticky request no longer holds `share` of its prompt (asked only while it is on);
+-- weight(i), if given, is the request's weight (a number >= 0) for the replica's weighted
+-- load; granted(i, id, token), if given, runs after each new lease is counted (its replica's
+-- count is already +1; the lease records themselves are written when the whole batch is
+-- routed).
+-- Returns a flat array: per request, server id, JSON metadata, and 0 = balanced, 1 = sticky,
+-- 2 = retry of a granted token; or the error NOSERVERS or NOCAPACITY (refused; CONFIGMISMATCH:
+-- this process's pinned settings are not the pinned ones) before anything is written (a
+-- call whose exclusion leaves no replica to go to is refused alike: lib/admission refused()).
+-- Capacity: an acquire that fills a replica takes it off (filled), so no later pick, sticky
+-- or new, reaches it until a lease there ends; a batch's cached level (LL) and pool lookups
+-- forget it at once.
+-- The result and the final state are those of acquiring the requests one after another: a
+-- lone request by acquire_one, a batch in the steps above (its lookups read up front, one
+-- HMGET per key, and the writes that commute grouped per replica at the end, so a batch of K
+-- costs a few calls per request, not ~20).
+local function acquire_all(stride, policy)
+  local cfg, holder = config(ARGV[1]), ARGV[2]
+  local width, ttl, span = cfg.width_ms, cfg.sticky_ms, cfg.span
+  local now = now_ms()
+  local cur = math.floor(now / width)
+  -- An acquire is a heartbeat of its holder, and reaps nothing: the holders' keepers do,
+  -- in short calls of their own, so no acquire is slowed by another process's crash.
+  local mismatch = heartbeat(holder, now, cfg.lease_ms, cfg)
+  if mismatch then return mismatch end
+  -- spread_sessions (pinned): new sessions' ties go to the fewest pinned sessions
+  -- (lib/picking). Lookups then stop at the oldest live sticky bucket (bucket b expires at
+  -- (b + 1) * width + ttl), so an entry at its very expiry is neither found nor counted.
+  if cfg.spread then
+    SEAT = { lo = math.max(cur - span, math.floor((now - ttl) / width)), cur = cur, d = {} }
+  end
+  -- Engine-aware scoring (lib/scoring.lua), pinned as the other settings.
+  if cfg.engine then
+    ENGINE = cfg.engine
+    scoring().ready(now)
+  end
+  -- Health and admission (lib/admission.lua): free while no ejection is due, no replica declares
+  -- a capacity and nobody waits.
+  if cfg.ejection then
+    if redis.call('ZRANGEBYSCORE', P .. 'ejected', '-inf', int(now), 'LIMIT', '0', '1')[1] then
+      admit().restore_due(now)
+    end
+  end
+  if redis.call('EXISTS', P .. 'capacity', P .. 'waiters') > 0 then
+    local refusal = admit().admission(now, stride)
+    if refusal then return refusal end
+  end
+  -- The caller's exclusion (lib/admission exclude()), once admission has put back what
+  -- returns; every return from here on puts the excluded replicas back first.
+  if ARGV[HEAD] ~= '' then
+    if ENGINE then scoring().level() end -- scores are made from the sets: made now, whole
+    admit().exclude(ARGV[HEAD])
+  end
+  if #ARGV == HEAD + stride then
+    local out = acquire_one(HEAD + 1, policy, now, cur, holder, cfg)
+    if EXCL then admit().readmit() end
+    return TICKET and admit().served(out, now) or out
+  end
+
+  local B = batch_read(stride, cur, span)
+  local refusal = batch_refusal(B, cfg, now)
+  if refusal then return refusal end
+  batch_route(B, policy, stride, cfg, cur, now, holder)
+  batch_write(B, holder, cur, cfg)
   if EXCL then admit().readmit() end
-  return TICKET and admit().served(out, now) or out
+  return TICKET and admit().served(B.out, now) or B.out
 end
