@@ -45,7 +45,7 @@ def test_a_run_is_a_function_of_its_seed():
 )  # fmt: skip
 def test_each_scheme_makes_the_calls_it_names(scheme, calls):
     got = sim.run("agent", 4, scheme, 1, SIZE)
-    assert got.reads == calls
+    assert got.calls == calls
     if scheme == "hash":
         assert got.away == 0.0
     else:  # about (K - 1) / K of the sessions land off their hash shard

@@ -114,10 +114,12 @@ class Size:
 
 @dataclass
 class Result:
+    """One run's measures (the columns of the table)."""
+
     balance: float
     hit: float  # NaN for agent
     away: float
-    reads: float
+    calls: float  # reads or directory calls per placement, beyond the acquire
 
 
 @dataclass
@@ -181,7 +183,7 @@ class Placement:
         k = pool.shards
         # What each process last heard from each shard (least, mean), from its replies.
         self.heard = [[(0, 0.0)] * k for _ in range(DISPATCHERS)]
-        self.placed = self.away = self.reads = 0
+        self.placed = self.away = self.calls = 0
         # The directory (one key, one atomic script per placement): each shard's in-flight
         # total as last published, and the placements it sent there since.
         self.published, self.since, self.published_at = [0] * k, [0] * k, -1.0
@@ -206,7 +208,7 @@ class Placement:
         elif self.scheme in ("p2", "p2-home"):
             a = home(key, k) if self.scheme == "p2-home" else self.rng.randrange(k)
             b = self.rng.choice([s for s in range(k) if s != a])
-            self.reads += 2  # one read of both shards before the acquire
+            self.calls += 2  # one read of both shards before the acquire
             shard = min((a, b), key=lambda s: (*pool.summary(s), self.rng.random()))
         elif self.scheme == "p2-stale":
             a, b = self.rng.sample(range(k), 2)
@@ -215,16 +217,16 @@ class Placement:
         elif self.scheme == "p2-guided":  # the two best heard, read now
             view = self.heard[process]
             a, b = sorted(range(k), key=lambda s: (*view[s], self.rng.random()))[:2]
-            self.reads += 2
+            self.calls += 2
             shard = min((a, b), key=lambda s: (*pool.summary(s), self.rng.random()))
         elif self.scheme == "best":  # every shard read now
-            self.reads += k
+            self.calls += k
             shard = min(range(k), key=lambda s: (*pool.summary(s), self.rng.random()))
         elif self.scheme == "directory":
             if now - self.published_at >= PUBLISH:  # the shards' keepers publish their totals
                 self.published = [sum(pool.load[r] for r in pool.members(s)) for s in range(k)]
                 self.since, self.published_at = [0] * k, now
-            self.reads += 1
+            self.calls += 1
             low = min(self.published[s] + self.since[s] for s in range(k))
             shard = self.rng.choice(
                 [s for s in range(k) if self.published[s] + self.since[s] == low]
@@ -236,7 +238,7 @@ class Placement:
         elif self.scheme == "rr-p2":  # the process's next two in turn, read now
             a = self.turn[process]
             b = (a + 1) % k
-            self.reads += 2
+            self.calls += 2
             shard = min((a, b), key=lambda s: (*pool.summary(s), self.rng.random()))
             self.turn[process] = b
         else:  # jiq
@@ -410,7 +412,7 @@ def run(workload: str, shards: int, scheme: str, seed: int, size: Size) -> Resul
         balance=weighted / busy if busy else math.nan,
         hit=hits / samples if samples else math.nan,
         away=place.away / place.placed if place.placed else 0.0,
-        reads=place.reads / place.placed if place.placed else 0.0,
+        calls=place.calls / place.placed if place.placed else 0.0,
     )
 
 
@@ -463,7 +465,7 @@ def table(found: Sequence[Row]) -> str:
             f"{row.workload:18s} {row.shards:3d} {row.scheme:9s} "
             f"{_spread([x.balance for x in r], '.3f'):>19s} {_spread(row.ratios, '.3f'):>19s} "
             f"{_spread([100 * x.hit for x in r], '.1f'):>17s} "
-            f"{100 * sum(x.away for x in r) / len(r):7.1f} {sum(x.reads for x in r) / len(r):6.2f}"
+            f"{100 * sum(x.away for x in r) / len(r):7.1f} {sum(x.calls for x in r) / len(r):6.2f}"
         )
     return "\n".join(lines)
 
