@@ -283,6 +283,37 @@ def test_option_cost_prices_every_option_against_the_default_pair():
     assert option_cost.BATCH == 64
 
 
+def test_shard_nodes_places_spread_tags_one_shard_per_primary_in_turn():
+    """``python -m benchmarks.shard_nodes``: the spread layout's tags land on the primaries in
+    turn (K = 3: one each; K = 6: two each), checked by the server's own key slots; every row
+    has finite times; K = 1 lives on one primary (max/mean 3)."""
+    from benchmarks import shard_nodes
+
+    ranges = [(0, 5460), (5461, 10922), (10923, 16383)]
+    for k in (3, 6):
+        names = shard_nodes.spread_names(f"t{k}", k, ranges)
+        assert [shard_nodes.node_of(n, ranges) for n in names] == [i % 3 for i in range(k)]
+    binary = next((b for b in find_server_binaries() if b.version_tuple >= (7,)), None)
+    assert binary is not None, "no server binary with Functions found"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.shard_nodes", "--pairs", "60", "--rounds", "1",
+         "--block", "10", "--server-bin", binary.path],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {}
+    for ln in done.stdout.splitlines()[2:]:
+        k, layout, *rest = ln.split()
+        rows[(int(k), layout)] = rest
+    assert set(rows) == {(1, "spread"), (3, "spread"), (3, "numbered"), (6, "spread"),
+                         (6, "numbered")}  # fmt: skip
+    assert rows[(3, "spread")][:3] == ["[1,", "1,", "1]"]
+    assert rows[(6, "spread")][:3] == ["[2,", "2,", "2]"]
+    for values in rows.values():
+        assert all(math.isfinite(float(v)) and float(v) > 0 for v in values[3:])
+    assert float(rows[(1, "spread")][5]) == 3.0
+
+
 def test_release_records_weighs_both_layouts_at_both_fills(binary):
     """``python -m benchmarks.release_records``: at each fill, a finite size per id and server
     time per call for the set and for the packed hash. Structure only: which layout is smaller
