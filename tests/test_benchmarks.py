@@ -28,6 +28,19 @@ pytestmark = [
 ]
 
 
+def _on_functions_server(module: str, *args: str) -> str:
+    """``python -m benchmarks.<module> ARGS --server-bin <a 7+ binary>``'s output, run in this
+    checkout; it must exit 0."""
+    binary = next((b for b in find_server_binaries() if b.version_tuple >= (7,)), None)
+    assert binary is not None, "no server binary with Functions found"
+    done = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{module}", *args, "--server-bin", binary.path],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench") / "bench.json"
@@ -175,16 +188,9 @@ def test_script_ab_times_both_versions_call_by_call():
 def test_script_ab_paths_times_evalsha_against_fcall():
     """``--paths``: this checkout's scripts by EVALSHA and by FCALL on one Redis 7+ server;
     a pair is its acquire's and release's times added."""
-    binary = next((b for b in find_server_binaries() if b.version_tuple >= (7,)), None)
-    assert binary is not None, "no server binary with Functions found"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.script_ab", "--paths", "--calls", "30",
-         "--server-bin", binary.path],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.startswith("before = EVALSHA, after = FCALL")
-    rows = {" ".join(line.split()[:2]): line.split()[2:] for line in done.stdout.splitlines()[3:]}
+    out = _on_functions_server("script_ab", "--paths", "--calls", "30")
+    assert out.startswith("before = EVALSHA, after = FCALL")
+    rows = {" ".join(line.split()[:2]): line.split()[2:] for line in out.splitlines()[3:]}
     assert set(rows) == {
         f"{s} x{b}" for s in ("acquire", "release", "pair", "wall", "noop") for b in (1, 8)
     }
@@ -218,21 +224,13 @@ def test_pair_profile_names_every_stage_of_both_scripts_and_its_commands():
     pick's count, the lease record, the lease ending), counted by the server."""
     from benchmarks import pair_profile
 
-    binary = next((b for b in find_server_binaries() if b.version_tuple >= (7,)), None)
-    assert binary is not None, "no server binary with Functions found"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.pair_profile", "--calls", "20", "--rounds", "1",
-         "--server-bin", binary.path],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    lines = done.stdout.splitlines()
+    text = _on_functions_server("pair_profile", "--calls", "20", "--rounds", "1")
+    lines = text.splitlines()
     for stages in (pair_profile.ACQUIRE, pair_profile.RELEASE):
         for stage, _ in stages:
             row = re.compile(rf"^  {re.escape(stage)} +(\S+) +[+-]")
             (cumulative,) = [float(m.group(1)) for ln in lines if (m := row.match(ln))]
             assert math.isfinite(cumulative) and cumulative > 0
-    text = done.stdout
     assert "ZINCRBY" in text and "HSETNX" in text and "HDEL" in text
     # The bound: the pair, and its own commands replayed without its Lua, against a no-op.
     (commands,) = [ln for ln in lines if ln.startswith("the bound (")]
@@ -255,15 +253,7 @@ def test_option_cost_prices_every_option_against_the_default_pair():
     admission reads, groups' entry, prefix_cache's index), and both targets judged."""
     from benchmarks import option_cost
 
-    binary = next((b for b in find_server_binaries() if b.version_tuple >= (7,)), None)
-    assert binary is not None, "no server binary with Functions found"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.option_cost", "--pairs", "20", "--rounds", "2",
-         "--server-bin", binary.path],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    lines = done.stdout.splitlines()
+    lines = _on_functions_server("option_cost", "--pairs", "20", "--rounds", "2").splitlines()
     rows = {}
     for ln in lines[2:]:
         m = re.match(r"^(.+?) +(\S+) +(\S+) +(\S+-\S+) +(\S+) +(\S+)(?:  (.*))?$", ln)
@@ -293,16 +283,9 @@ def test_shard_nodes_places_spread_tags_one_shard_per_primary_in_turn():
     for k in (3, 6):
         names = shard_nodes.spread_names(f"t{k}", k, ranges)
         assert [shard_nodes.node_of(n, ranges) for n in names] == [i % 3 for i in range(k)]
-    binary = next((b for b in find_server_binaries() if b.version_tuple >= (7,)), None)
-    assert binary is not None, "no server binary with Functions found"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.shard_nodes", "--pairs", "60", "--rounds", "1",
-         "--block", "10", "--server-bin", binary.path],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
+    out = _on_functions_server("shard_nodes", "--pairs", "60", "--rounds", "1", "--block", "10")
     rows = {}
-    for ln in done.stdout.splitlines()[2:]:
+    for ln in out.splitlines()[2:]:
         k, layout, *rest = ln.split()
         rows[(int(k), layout)] = rest
     assert set(rows) == {(1, "spread"), (3, "spread"), (3, "numbered"), (6, "spread"),
