@@ -471,8 +471,9 @@ def table(found: Sequence[Row]) -> str:
 
 
 def targets(found: Sequence[Row], scheme: str) -> list[str]:
-    """The issue's targets for ``scheme``: balance within BALANCE_TARGET of global's at every
-    K, on both workloads, and the GRPO hit rate within HIT_POINTS of K = 1's."""
+    """The targets a sharded placement is held to, for ``scheme``: balance within
+    BALANCE_TARGET of global's at every K, seed and workload, and the GRPO hit rate within
+    HIT_POINTS of K = 1's."""
     out = []
     mine = [r for r in found if r.scheme == scheme and r.workload in WORKLOADS]
     worst = max((max(r.ratios) for r in mine), default=math.nan)
