@@ -208,8 +208,7 @@ class Placement:
         elif self.scheme in ("p2", "p2-home"):
             a = home(key, k) if self.scheme == "p2-home" else self.rng.randrange(k)
             b = self.rng.choice([s for s in range(k) if s != a])
-            self.calls += 2  # one read of both shards before the acquire
-            shard = min((a, b), key=lambda s: (*pool.summary(s), self.rng.random()))
+            shard = self._read((a, b))
         elif self.scheme == "p2-stale":
             a, b = self.rng.sample(range(k), 2)
             view = self.heard[process]
@@ -217,11 +216,9 @@ class Placement:
         elif self.scheme == "p2-guided":  # the two best heard, read now
             view = self.heard[process]
             a, b = sorted(range(k), key=lambda s: (*view[s], self.rng.random()))[:2]
-            self.calls += 2
-            shard = min((a, b), key=lambda s: (*pool.summary(s), self.rng.random()))
+            shard = self._read((a, b))
         elif self.scheme == "best":  # every shard read now
-            self.calls += k
-            shard = min(range(k), key=lambda s: (*pool.summary(s), self.rng.random()))
+            shard = self._read(range(k))
         elif self.scheme == "directory":
             if now - self.published_at >= PUBLISH:  # the shards' keepers publish their totals
                 self.published = [sum(pool.load[r] for r in pool.members(s)) for s in range(k)]
@@ -238,8 +235,7 @@ class Placement:
         elif self.scheme == "rr-p2":  # the process's next two in turn, read now
             a = self.turn[process]
             b = (a + 1) % k
-            self.calls += 2
-            shard = min((a, b), key=lambda s: (*pool.summary(s), self.rng.random()))
+            shard = self._read((a, b))
             self.turn[process] = b
         else:  # jiq
             idle = [s for s, (low, _) in enumerate(self.heard[process]) if low == 0]
@@ -247,6 +243,12 @@ class Placement:
         if shard != home(key, k):
             self.away += 1
         return shard
+
+    def _read(self, shards: Sequence[int]) -> int:
+        """Of ``shards``, all read now (one read of them before the acquire), the one whose
+        least-loaded replica is lowest, then the lowest mean; ties at random."""
+        self.calls += len(shards)
+        return min(shards, key=lambda s: (*self.pool.summary(s), self.rng.random()))
 
     def land(self, shard: int, process: int) -> int:
         """The acquire on ``shard``: its least-loaded replica, exactly (the shard's script);
