@@ -228,6 +228,25 @@ REGISTRY: tuple[Key, ...] = (
         "stream",
         "kv_events",
     ),
+    # -- a sharded pool's directory (its keys under the pool's own name) -----------------
+    Key(
+        "layout",
+        "hash",
+        "`shards` → the shard count, `names` → the shards' balancer names (JSON list)",
+    ),
+    Key("homes", "hash", "replica id → `shard capacity`: the shard it is registered on"),
+    Key(
+        "shards",
+        "hash",
+        "`n:<s>` replicas, `cap:<s>` their capacity, `in:<s>` in-flight as last published, "
+        "`new:<s>` sessions placed since, `at:<s>` when that total was claimed (D1)",
+    ),
+    Key(
+        "placed:<b>",
+        "hash",
+        "session or group id → its shard, last looked up in time bucket b (expires; D2)",
+        "buckets",
+    ),
     # -- kept by earlier versions; read during an upgrade, deleted by destroy -------------
     Key("released", "set", "remembered releases of earlier clients", part="earlier"),
     Key("released:old", "set", "the generation before `released`", part="earlier"),
