@@ -1,0 +1,481 @@
+"""A pool sharded over K balancers, without I/O: the directory's operations, the shards'
+names, what a process remembers of where sessions and replicas went, and the pool's status
+as one.
+
+Each shard is an ordinary balancer (its own hash tag, so its own Cluster slot) that routes
+exactly inside itself over the replicas whose home it is; every state change is still one
+script on one shard. What no shard can decide is which shard a new session (or GRPO group)
+goes to: the directory, a few keys under the pool's own name (one more slot), decides that
+in one atomic call per new session and records it, so a session that roams to another
+process finds its shard again (docs/design.md, "One pool past one core").
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from redis.crc import key_slot
+
+from . import dp, health, validation
+from .core import SEP, STICKY_BUCKETS, Call, Op, fields_per_request
+from .errors import ConfigMismatch, NoServersAvailable
+from .scripts import load
+
+MAX_SHARDS = 256
+# A shard's in-flight total is published to the directory this often (by one process per
+# period, whichever claims it): the model found 0.02-0.5 s equally good (docs/design.md).
+PUBLISH_EVERY = 0.1
+# Sessions (or groups) whose shard a process remembers without asking the directory.
+REMEMBERED = 65_536
+# A shard's balancer name: the pool's name, this, and a number (picked per Cluster primary).
+SHARD_MARK = "/shard-"
+MAX_NAME = 64 - len(SHARD_MARK) - 5
+
+
+def pool_name(value: object) -> str:
+    """A sharded pool's name: a balancer name short enough to carry its shards' suffix."""
+    name = validation.name(value)
+    if len(name) > MAX_NAME:
+        raise ValueError(
+            f"name of a sharded pool must be at most {MAX_NAME} characters (its shards are "
+            f"named <name>{SHARD_MARK}<n>), got {len(name)}"
+        )
+    return name
+
+
+def shard_count(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"shards must be an int, got {type(value).__name__}")
+    if not 2 <= value <= MAX_SHARDS:
+        raise ValueError(
+            f"shards must be 2-{MAX_SHARDS} (a pool of one shard is an unsharded balancer: "
+            f"RedisLoadBalancer), got {value}"
+        )
+    return value
+
+
+def slot_of(name: str) -> int:
+    """The Cluster slot of balancer ``name``'s keys (one hash tag: ``{name}``)."""
+    return key_slot(f"rr:{{{name}}}:".encode())
+
+
+def shard_names(
+    name: str, k: int, primaries: Sequence[Sequence[tuple[int, int]]] = ()
+) -> list[str]:
+    """K shard names for pool ``name``. On a Cluster (``primaries``: each primary's slot
+    ranges, in a fixed order) shard i's slot falls on primary i mod their number, so the
+    shards split the Redis time evenly: consecutive numbers would put some primaries two
+    shards and others none. Elsewhere, numbered 0..K-1."""
+    if not primaries:
+        return [f"{name}{SHARD_MARK}{i}" for i in range(k)]
+    names, n = [], 0
+    for i in range(k):
+        want = primaries[i % len(primaries)]
+        while not any(lo <= slot_of(f"{name}{SHARD_MARK}{n}") <= hi for lo, hi in want):
+            n += 1
+        names.append(f"{name}{SHARD_MARK}{n}")
+        n += 1
+    return names
+
+
+def cluster_primaries(slots: Any) -> list[list[tuple[int, int]]]:
+    """Each primary's slot ranges, primaries ordered by address, from redis-py's
+    ``RedisCluster.cluster_slots()`` reply ({(lo, hi): {"primary": (host, port), ...}})."""
+    by: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for (lo, hi), row in dict(slots).items():
+        host, port = row["primary"][:2]
+        by.setdefault((str(host), int(port)), []).append((int(lo), int(hi)))
+    return [sorted(by[p]) for p in sorted(by)]
+
+
+class Layout(NamedTuple):
+    """A sharded pool as its directory holds it: the shards' balancer names and each
+    replica's home shard."""
+
+    names: list[str]
+    homes: dict[str, int]
+
+
+def capacities(servers: Mapping[str, Any], capacity: Mapping[str, int] | None) -> dict[str, int]:
+    """Each replica's capacity (0: none declared; a data-parallel replica: its ranks' sum),
+    checked as ``add_servers`` checks it, before anything is written."""
+    checked = validation.servers_mapping(servers)
+    units, declared, _ = dp.expand(checked, capacity)
+    caps = health.capacities(units, declared)
+    out = dict.fromkeys(checked, 0)
+    for unit, cap in caps.items():
+        out[dp.replica_of(unit)[0] if unit not in out else unit] += int(cap)
+    return out
+
+
+@dataclass
+class Directory:
+    """The directory's operations (each yields its one call): the layout, replicas' homes,
+    sessions' shards, shards' published totals."""
+
+    name: str
+    sticky_ms: int
+    width_ms: int
+    span: int
+
+    @classmethod
+    def of(cls, name: str, sticky_ttl: float) -> Directory:
+        sticky_ms = int(sticky_ttl * 1000)
+        width = -(-sticky_ms // STICKY_BUCKETS)
+        return cls(name, sticky_ms, width, -(-sticky_ms // width))
+
+    def _call(self, script: str, args: Iterable[Any]) -> Call:
+        return Call(load(script), tuple(args))
+
+    def layout(self, k: int = 0, names: Sequence[str] = ()) -> Op[Layout]:
+        """The pool's layout, written first if there is none and ``k`` > 0 (a refusal comes
+        back as a script error: :meth:`refused` says what it means)."""
+        raw = yield self._call("shard_layout", (k, json.dumps(list(names))))
+        count, names_json = int(raw[0]), _text(raw[1])
+        found = [str(n) for n in json.loads(names_json)]
+        if count and len(found) != count:
+            raise ConfigMismatch(f"sharded pool {self.name!r}: its layout is damaged")
+        homes = {_text(raw[i]): int(_text(raw[i + 1]).split()[0]) for i in range(2, len(raw), 2)}
+        return Layout(found, homes)
+
+    def refused(self, exc: Exception, k: int) -> Exception:
+        """What a layout call's script error means."""
+        text = str(exc)
+        if text.startswith("SHARDS "):
+            return ConfigMismatch(
+                f"sharded pool {self.name!r} has {text.split()[1]} shards, this process "
+                f"asked for {k}; every process of a pool must ask for the same count"
+            )
+        if text.startswith("UNSHARDED"):
+            return ConfigMismatch(
+                f"an unsharded balancer named {self.name!r} holds replicas: a sharded "
+                "pool needs a name of its own (or destroy() that balancer first)"
+            )
+        return exc
+
+    def stats(self) -> Op[dict[str, int]]:
+        """The directory's per-shard fields (``n:<s>``, ``in:<s>``, ...)."""
+        raw = yield self._call("shard_stats", ())
+        return {_text(raw[i]): int(_text(raw[i + 1])) for i in range(0, len(raw), 2)}
+
+    def assign(self, k: int, caps: Mapping[str, int]) -> Op[dict[str, int]]:
+        """Give each replica a home shard (kept if it has one): balanced by count, then
+        capacity, in one script so concurrent adds never pick the same emptiest shard."""
+        if not caps:
+            return {}
+        args = [x for sid, cap in caps.items() for x in (sid, cap)]
+        got = yield self._call("shard_assign", (k, *args))
+        return {sid: int(s) for sid, s in zip(caps, got, strict=True)}
+
+    def unassign(self, server_ids: Sequence[str]) -> Op[int]:
+        if not server_ids:
+            return 0
+        return int((yield self._call("shard_unassign", server_ids)))
+
+    def place(self, k: int, keys: Sequence[str], avoid: Iterable[int] = ()) -> Op[list[int]]:
+        """Each key's shard (a session id or a group id): the recorded one, else the shard
+        with the fewest requests per replica; ``avoid``: shards not to choose (a recorded one
+        there is placed anew)."""
+        head = (self.width_ms, self.sticky_ms, self.span, k, SEP.join(map(str, avoid)))
+        got = yield self._call("shard_place", (*head, *keys))
+        return [int(s) for s in got]
+
+    def totals(self, k: int, published: Mapping[int, int]) -> Op[list[int]]:
+        """Publish shards' totals; returns the shards now due, claimed by this process."""
+        args = [x for s, n in published.items() for x in (s, n)]
+        period = int(PUBLISH_EVERY * 1000)
+        return [int(s) for s in (yield self._call("shard_totals", (period, k, *args)))]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class Remembered:
+    """Where this process's sessions went: key → shard, the newest ``REMEMBERED`` of them.
+    An entry older than a directory record's bucket width is looked up again, which also
+    keeps the record alive while the session lives only in this process."""
+
+    def __init__(self, fresh_for: float, most: int = REMEMBERED) -> None:
+        self._fresh_for, self._most = fresh_for, most
+        self._shard: OrderedDict[str, tuple[int, float]] = OrderedDict()
+
+    def get(self, key: str) -> int | None:
+        got = self._shard.get(key)
+        if got is None or time.monotonic() - got[1] > self._fresh_for:
+            return None
+        self._shard.move_to_end(key)
+        return got[0]
+
+    def put(self, key: str, shard: int) -> None:
+        self._shard[key] = (shard, time.monotonic())
+        self._shard.move_to_end(key)
+        while len(self._shard) > self._most:
+            self._shard.popitem(last=False)
+
+    def forget(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self._shard.pop(key, None)
+
+    def clear(self) -> None:
+        self._shard.clear()
+
+
+def no_shard(name: str) -> NoServersAvailable:
+    return NoServersAvailable(
+        f"sharded pool {name!r}: no shard has a replica: register replicas with add_servers() "
+        "or `redis-router servers add`"
+    )
+
+
+# Status fields summed over the shards, and those that are lists to join.
+_SUMMED = ("total_inflight", "active_servers", "registered_handles", "sticky_sessions")
+_JOINED = ("draining_servers", "ejected_servers", "full_servers")
+
+
+def merged_status(name: str, shards: Sequence[Mapping[str, Any]], placing: Any) -> dict[str, Any]:
+    """The pool's status as one (the shards' replicas together, their totals summed), with
+    each shard's own under ``shards`` and the directory's view under ``placement``."""
+    first = shards[0]
+    out: dict[str, Any] = {k: v for k, v in first.items() if k not in ("holders", "waiting")}
+    out["name"] = name
+    replicas: dict[str, Any] = {}
+    for s in shards:
+        replicas.update(s["replicas"])
+    out["replicas"] = replicas
+    out["servers"] = {sid: r["inflight"] for sid, r in replicas.items()}
+    for field in _SUMMED:
+        out[field] = sum(int(s[field]) for s in shards)
+    for field in _JOINED:
+        out[field] = sorted(x for s in shards for x in s[field])
+    out["dp_replicas"] = dp.grouped(replicas)
+    out["shards"] = [
+        {
+            "name": s["name"],
+            "servers": len(s["servers"]),
+            "total_inflight": s["total_inflight"],
+            "sticky_sessions": s["sticky_sessions"],
+            "holders": s["holders"],
+            "waiting": s["waiting"],
+        }
+        for s in shards
+    ]
+    out["placement"] = placing
+    return out
+
+
+class ShardedBase:
+    """What both flavours of the sharded pool keep without I/O: the layout, which shard a
+    session or replica belongs to, requests grouped by shard, results merged."""
+
+    _k: int
+    _shards: Sequence[Any]  # the shards' balancers, in the layout's order
+    _homes: dict[str, int]  # replica id -> home shard, as this process last read them
+    url: str
+
+    def _setup(self, shards: object, name: object) -> None:
+        self._k = shard_count(shards)
+        self.name = pool_name(name)
+
+    def _named(self, primaries: Sequence[Sequence[tuple[int, int]]]) -> list[str]:
+        return shard_names(self.name, self._k, primaries)
+
+    def _joined(self, layout: Layout) -> Layout:
+        """The layout found, if it is this process's count."""
+        if len(layout.names) != self._k:
+            raise ConfigMismatch(
+                f"sharded pool {self.name!r} has {len(layout.names)} shards, this process "
+                f"asked for {self._k}; every process of a pool must ask for the same count"
+            )
+        return layout
+
+    def _attach(self, core: Any) -> None:
+        """Take the directory balancer's core: the options every shard shares."""
+        self._core = core
+        self._directory = Directory.of(self.name, core.sticky_ttl)
+        self._sessions = Remembered(self._directory.width_ms / 1000)
+        self._homes = {}
+
+    @property
+    def shard_names(self) -> list[str]:
+        """The shards' balancer names, in order."""
+        return [b.name for b in self._shards]
+
+    @property
+    def policy(self) -> Any:
+        return self._core.policy
+
+    def require_acquire_fields(self) -> list[str]:
+        return list(self._core.acquire_fields)
+
+    def require_release_fields(self) -> list[str]:
+        return list(self._core.policy.release_fields)
+
+    # -- sessions --------------------------------------------------------------------------
+
+    def _check(
+        self,
+        request_id: str,
+        fields: Mapping[str, Any],
+        exclude: object = None,
+        token: str | None = None,
+    ) -> None:
+        """Check an acquire's arguments before the directory is written to."""
+        validation.request_id(request_id)
+        if token is not None:
+            validation.token(token)
+        self._core.check_acquire(fields, exclude)
+
+    def _check_many(
+        self, request_ids: list[str], fields: Mapping[str, Any]
+    ) -> tuple[list[str], list[Mapping[str, Any]]]:
+        rids = validation.request_ids(request_ids)
+        self._core.check_acquire(fields)
+        per = fields_per_request(len(rids), fields)
+        return rids, list(per) if per is not None else [{}] * len(rids)
+
+    def _key(self, request_id: str, fields: Mapping[str, Any]) -> str:
+        """What places a request: its GRPO group (all samples on one shard), else its id."""
+        return self._core.group_of(request_id, fields) or request_id
+
+    def _unplaced(self, keys: Sequence[str], avoid: Sequence[int]) -> list[str]:
+        """The keys this process must ask the directory for (new, stale, or to move)."""
+        missing: dict[str, None] = {}
+        for key in keys:
+            shard = self._sessions.get(key)
+            if shard is None or shard in avoid:
+                missing[key] = None
+        return list(missing)
+
+    def _remember(self, keys: Sequence[str], shards: Sequence[int]) -> None:
+        for key, shard in zip(keys, shards, strict=True):
+            if shard < 0:
+                raise no_shard(self.name)
+            self._sessions.put(key, shard)
+
+    def _placed(self, keys: Sequence[str]) -> list[int]:
+        out = []
+        for key in keys:
+            shard = self._sessions.get(key)
+            if shard is None:  # placed this instant, forgotten at once (more keys than kept)
+                raise no_shard(self.name)
+            out.append(shard)
+        return out
+
+    def _in_turn(self, request_id: str) -> list[Any]:
+        """The shards, the request's own (as this process knows it) first."""
+        known = self._sessions.get(request_id)
+        if known is None:
+            return list(self._shards)
+        return [self._shards[known], *(b for i, b in enumerate(self._shards) if i != known)]
+
+    @staticmethod
+    def _by_shard(shards: Sequence[int]) -> dict[int, list[int]]:
+        """Request positions grouped by shard, shards in order of first appearance."""
+        out: dict[int, list[int]] = {}
+        for i, shard in enumerate(shards):
+            out.setdefault(shard, []).append(i)
+        return out
+
+    @staticmethod
+    def _fields_of(
+        per: Sequence[Mapping[str, Any]], idx: Sequence[int], fields: Mapping[str, Any]
+    ) -> dict[str, list[Any]]:
+        """The batch fields of the requests at ``idx``, one value per request."""
+        return {f: [per[i][f] for i in idx] for f in fields}
+
+    def _forget_all(self) -> None:
+        self._sessions.clear()
+        self._homes = {}
+
+    # -- replicas --------------------------------------------------------------------------
+
+    def _home(self, server_id: str) -> int:
+        """The replica's home shard; a data-parallel rank's is its replica's. An id the pool
+        lacks goes to shard 0, whose answer for an unknown replica is the pool's."""
+        sid = validation.server_id(server_id)
+        shard = self._homes.get(sid, self._homes.get(dp.replica_of(sid)[0]))
+        return shard if shard is not None else 0
+
+    def _granted(self, shard: int, grant: Any) -> Any:
+        """Note the home of the replica a grant names (a lease, or (id, handle)): another
+        process may have added it since this one read the homes."""
+        sid = grant[0] if isinstance(grant, tuple) else grant.server_id
+        self._homes[sid] = shard
+        return grant
+
+    def _known(self, server_id: str) -> bool:
+        return server_id in self._homes or dp.replica_of(server_id)[0] in self._homes
+
+    def _by_home(self, server_ids: Sequence[str]) -> dict[int, list[str]]:
+        """Replica ids grouped by home shard (as this process last read the homes)."""
+        out: dict[int, list[str]] = {}
+        for sid in validation.server_ids(server_ids):
+            out.setdefault(self._home(sid), []).append(sid)
+        return out
+
+    def _whole(self, server_ids: Sequence[str]) -> list[str]:
+        """The replica ids (not ranks) among ``server_ids`` that have a home."""
+        return [s for s in validation.server_ids(server_ids) if s in self._homes]
+
+    @staticmethod
+    def _capacities(
+        servers: Mapping[str, Any], capacity: Mapping[str, int] | None
+    ) -> dict[str, int]:
+        return capacities(servers, capacity)
+
+    @staticmethod
+    def _split_servers(
+        servers: Mapping[str, Any], capacity: Mapping[str, int] | None, homes: Mapping[str, int]
+    ) -> dict[int, tuple[dict[str, Any], dict[str, int] | None]]:
+        """``servers`` (and their declared capacities) grouped by home shard."""
+        out: dict[int, tuple[dict[str, Any], dict[str, int] | None]] = {}
+        for sid, meta in servers.items():
+            part = out.setdefault(homes[sid], ({}, {} if capacity is not None else None))
+            part[0][sid] = meta
+            if capacity is not None and part[1] is not None:
+                part[1].update({u: c for u, c in capacity.items() if dp.replica_of(u)[0] == sid})
+        return out
+
+    # -- results as one --------------------------------------------------------------------
+
+    def _status(
+        self, found: Sequence[Mapping[str, Any]], stats: Mapping[str, int]
+    ) -> dict[str, Any]:
+        placing = [
+            {
+                "shard": b.name,
+                "replicas": stats.get(f"n:{s}", 0),
+                "capacity": stats.get(f"cap:{s}", 0),
+                "published_inflight": stats.get(f"in:{s}", 0),
+                "placed_since": stats.get(f"new:{s}", 0),
+            }
+            for s, b in enumerate(self._shards)
+        ]
+        return merged_status(self.name, found, placing)
+
+    @staticmethod
+    def _bumped(results: Sequence[Mapping[str, int]]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in results:
+            for k, v in r.items():
+                out[k] = max(out.get(k, v), v) if k == "weight_version" else out.get(k, 0) + v
+        return out
+
+    @staticmethod
+    def _cleared(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        loads: dict[str, int] = {}
+        for r in results:
+            loads.update(r["server_loads"])
+        return {
+            "cleared_entries": sum(r["cleared_entries"] for r in results),
+            "server_loads": loads,
+        }
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, shards={self._k}, redis={self.url!r})"
