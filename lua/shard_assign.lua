@@ -1,13 +1,14 @@
 -- shard_assign.lua: give replicas a home shard, balanced by count, then by capacity.
 -- KEYS[1]  the directory's key prefix "rr:{NAME}:"
--- ARGV[1]  shard count    ARGV[2..] pairs: replica id, its capacity (0: none declared)
+-- ARGV     pairs: replica id, its capacity (0: none declared)
 -- Returns  each replica's shard (0-based), in order; a replica with a home keeps it.
 -- Keeps    D1 (docs/design.md): shards' n:<s> == replicas whose home is s, cap:<s> == the sum
 --          of their capacities. Safe to resend: a second copy finds the homes written.
 -- Why      In the script, so that processes adding replicas at once never both count the
 --          same shard as the emptiest.
 -- Uses     lib/base
-local k = tonumber(ARGV[1])
+local k = tonumber(redis.call('HGET', P .. 'layout', 'shards') or '0')
+if k == 0 then return redis.error_reply('NOLAYOUT') end
 local n, cap = {}, {}
 local stats = redis.call('HGETALL', P .. 'shards')
 local got = {}
@@ -16,7 +17,7 @@ for s = 0, k - 1 do
   n[s], cap[s] = got['n:' .. s] or 0, got['cap:' .. s] or 0
 end
 local out = {}
-for i = 2, #ARGV, 2 do
+for i = 1, #ARGV, 2 do
   local id, c = ARGV[i], tonumber(ARGV[i + 1])
   local home = redis.call('HGET', P .. 'homes', id)
   if home then

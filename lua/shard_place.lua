@@ -1,8 +1,8 @@
 -- shard_place.lua: the shard of each session (or GRPO group): where it went, else a new one.
 -- KEYS[1]  the directory's key prefix "rr:{NAME}:"
 -- ARGV[1]  bucket width (ms)    ARGV[2]  record ttl (ms)    ARGV[3]  buckets to search back
---          ARGV[4]  shard count    ARGV[5]  shards to avoid, joined by SEP ("" = none)
---          ARGV[6..] session (or group) ids
+--          ARGV[4]  shards to avoid, joined by SEP ("" = none)    ARGV[5..] session (or
+--          group) ids
 -- Returns  each id's shard (0-based) in order; -1 where no shard has a replica.
 -- Keeps    D1; D2: a session's record is in exactly one bucket, moved to the newest on each
 --          lookup, so it lives ttl after the last one. A new session goes to the shard with
@@ -11,13 +11,13 @@
 --          burst spreads over the shards instead of herding onto the one that looked best.
 --          Safe to resend: a second copy finds the records written (and counts nothing).
 -- Uses     lib/base
-local width, ttl, span, k = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]),
-  tonumber(ARGV[4])
+local width, ttl, span = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local k = tonumber(redis.call('HGET', P .. 'layout', 'shards') or '0')
 local now = now_ms()
 local cur = math.floor(now / width)
 local lo = math.max(cur - span, math.floor((now - ttl) / width))
 local avoid = {}
-for s in string.gmatch(ARGV[5], '[^' .. SEP .. ']+') do avoid[tonumber(s)] = true end
+for s in string.gmatch(ARGV[4], '[^' .. SEP .. ']+') do avoid[tonumber(s)] = true end
 local got = {}
 local stats = redis.call('HGETALL', P .. 'shards')
 for i = 1, #stats, 2 do got[stats[i]] = tonumber(stats[i + 1]) end
@@ -28,7 +28,7 @@ for s = 0, k - 1 do
 end
 local newest = P .. 'placed:' .. int(cur)
 local out, placed, moved = {}, {}, false
-for i = 6, #ARGV do
+for i = 5, #ARGV do
   local id, home = ARGV[i], nil
   for b = cur, lo, -1 do
     local key = P .. 'placed:' .. int(b)

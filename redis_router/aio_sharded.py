@@ -14,7 +14,14 @@ from . import keeper, validation
 from .aio import KEEPER_STOP_TIMEOUT, AsyncLease, AsyncRedisLoadBalancer, AsyncReleased
 from .core import Op, T
 from .errors import NoServersAvailable, ReplicaEjected
-from .shards import PUBLISH_EVERY, Layout, ShardedBase, cluster_primaries
+from .shards import (
+    PUBLISH_EVERY,
+    Layout,
+    ShardedBase,
+    cluster_primaries,
+    more_names,
+    shard_count,
+)
 
 
 class AsyncShardedLoadBalancer(ShardedBase):
@@ -50,29 +57,53 @@ class AsyncShardedLoadBalancer(ShardedBase):
         await asyncio.shield(self._ready)
 
     async def _join(self) -> None:
-        layout = await self._layout()
-        client = self._dir._client
-        self._shards = [
-            AsyncRedisLoadBalancer(redis=client, name=n, **self._options) for n in layout.names
-        ]
-        self._homes = dict(layout.homes)
+        self._extend(await self._layout())
         if self._initial:
             initial, self._initial = self._initial, {}
             await self._add(initial, None)
 
     async def _layout(self) -> Layout:
         layout = await self._run(self._directory.layout())
-        if layout.names:
-            return self._joined(layout)
-        client = self._dir._client
-        primaries = []
-        if hasattr(client, "cluster_slots") and hasattr(client, "nodes_manager"):
-            primaries = cluster_primaries(await client.cluster_slots())
-        try:
-            layout = await self._run(self._directory.layout(self._k, self._named(primaries)))
-        except rx.ResponseError as exc:
-            raise self._directory.refused(exc, self._k) from None
+        if not layout.names:
+            names = self._named(await self._primaries())
+            try:
+                layout = await self._run(self._directory.layout("create", names))
+            except rx.ResponseError as exc:
+                raise self._directory.refused(exc) from None
         return self._joined(layout)
+
+    async def _primaries(self) -> list[list[tuple[int, int]]]:
+        client = self._dir._client
+        if hasattr(client, "cluster_slots") and hasattr(client, "nodes_manager"):
+            return cluster_primaries(await client.cluster_slots())
+        return []
+
+    def _extend(self, layout: Layout) -> None:
+        """See ShardedLoadBalancer._extend."""
+        for n in layout.names[len(self._shards) :]:
+            self._shards.append(
+                AsyncRedisLoadBalancer(redis=self._dir._client, name=n, **self._options)
+            )
+        self._k = len(self._shards)
+        self._homes = dict(layout.homes)
+
+    async def _refresh(self) -> None:
+        self._extend(self._joined(await self._run(self._directory.layout())))
+
+    async def grow(self, shards: int) -> list[str]:
+        """See ShardedLoadBalancer.grow."""
+        k = shard_count(shards)
+        await self._joined_pool()
+        await self._refresh()
+        if k < self._k:
+            raise ValueError(f"shards: a pool only grows; it has {self._k}, got {k}")
+        if k > self._k:
+            names = more_names(self.name, self.shard_names, k, await self._primaries())
+            try:
+                self._extend(await self._run(self._directory.layout("grow", names)))
+            except rx.ResponseError as exc:
+                raise self._directory.refused(exc) from None
+        return self.shard_names
 
     async def _run(self, op: Op[T]) -> T:
         return await self._dir._call(op)
@@ -88,7 +119,9 @@ class AsyncShardedLoadBalancer(ShardedBase):
         await self._joined_pool()
         missing = self._unplaced(keys, avoid)
         if missing:
-            placed = await self._run(self._directory.place(self._k, missing, avoid))
+            placed = await self._run(self._directory.place(missing, avoid))
+            if max(placed) >= len(self._shards):  # the pool grew since this process looked
+                await self._refresh()
             self._remember(missing, placed)
         self._publish_from_now()
         return self._placed(keys)
@@ -214,7 +247,7 @@ class AsyncShardedLoadBalancer(ShardedBase):
 
     async def _add(self, servers: Mapping[str, Any], capacity: Mapping[str, int] | None) -> int:
         caps = self._capacities(servers, capacity)
-        homes = await self._run(self._directory.assign(self._k, caps))
+        homes = await self._run(self._directory.assign(caps))
         self._homes.update(homes)
         added = 0
         for shard, part in self._split_servers(servers, capacity, homes).items():
@@ -225,7 +258,7 @@ class AsyncShardedLoadBalancer(ShardedBase):
         await self._joined_pool()
         ids = validation.server_ids(server_ids)
         if any(not self._known(s) for s in ids):
-            await self._reload_homes()
+            await self._refresh()
         return self._by_home(ids)
 
     async def remove_servers(self, server_ids: list[str]) -> int:
@@ -307,9 +340,6 @@ class AsyncShardedLoadBalancer(ShardedBase):
         if self._publisher is None:
             self._publisher = asyncio.ensure_future(_publish(weakref.ref(self)))
 
-    async def _reload_homes(self) -> None:
-        self._homes = (await self._run(self._directory.layout())).homes
-
     # -- lifetime --------------------------------------------------------------------------
 
     async def close(self) -> None:
@@ -338,10 +368,12 @@ async def _publish(ref: weakref.ReferenceType[AsyncShardedLoadBalancer]) -> None
         if pool is None or pool._dir._core.closed:
             return
         try:
-            due = await pool._run(pool._directory.totals(pool._k, {}))
+            due = await pool._run(pool._directory.totals({}))
             if due:
+                if max(due) >= len(pool._shards):
+                    await pool._refresh()
                 totals = {s: await pool._shards[s].get_total_inflight() for s in due}
-                await pool._run(pool._directory.totals(pool._k, totals))
+                await pool._run(pool._directory.totals(totals))
         except (rx.RedisError, NoServersAvailable, ConnectionError) as exc:
             keeper.log.debug("sharded pool %r: publishing totals failed: %s", pool.name, exc)
         del pool

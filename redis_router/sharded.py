@@ -14,7 +14,14 @@ from .balancer import Lease, RedisLoadBalancer
 from .core import Op, T
 from .errors import NoServersAvailable, ReplicaEjected
 from .outbox import Released
-from .shards import PUBLISH_EVERY, Layout, ShardedBase, cluster_primaries
+from .shards import (
+    PUBLISH_EVERY,
+    Layout,
+    ShardedBase,
+    cluster_primaries,
+    more_names,
+    shard_count,
+)
 
 
 class ShardedLoadBalancer(ShardedBase):
@@ -50,26 +57,55 @@ class ShardedLoadBalancer(ShardedBase):
         self._dir = RedisLoadBalancer(redis=redis, name=self.name, **options)
         self.url = self._dir.url
         self._attach(self._dir._core)
-        shared = {k: v for k, v in options.items() if k not in self._dir._client_options}
-        layout = self._layout()
-        self._shards = [
-            RedisLoadBalancer(redis=self._dir._client, name=n, **shared) for n in layout.names
-        ]
-        self._homes = dict(layout.homes)
+        self._options = {k: v for k, v in options.items() if k not in self._dir._client_options}
+        self._shards = []
+        self._extend(self._layout())
         self._publisher: keeper.ThreadKeeper | None = None
         if servers:
             self.add_servers(servers)
 
     def _layout(self) -> Layout:
         layout = self._run(self._directory.layout())
-        if layout.names:
-            return self._joined(layout)
+        if not layout.names:
+            names = self._named(self._primaries())
+            try:
+                layout = self._run(self._directory.layout("create", names))
+            except rx.ResponseError as exc:
+                raise self._directory.refused(exc) from None
+        return self._joined(layout)
+
+    def _primaries(self) -> list[list[tuple[int, int]]]:
         client = self._dir._client
-        primaries = cluster_primaries(client.cluster_slots()) if _is_cluster(client) else []
-        try:
-            return self._joined(self._run(self._directory.layout(self._k, self._named(primaries))))
-        except rx.ResponseError as exc:
-            raise self._directory.refused(exc, self._k) from None
+        return cluster_primaries(client.cluster_slots()) if _is_cluster(client) else []
+
+    def _extend(self, layout: Layout) -> None:
+        """Make balancers for the layout's shards this process lacks (all, at first; the new
+        ones after the pool grew), and take its replicas' homes."""
+        for n in layout.names[len(self._shards) :]:
+            self._shards.append(RedisLoadBalancer(redis=self._dir._client, name=n, **self._options))
+        self._k = len(self._shards)
+        self._homes = dict(layout.homes)
+
+    def _refresh(self) -> None:
+        """Read the layout again: replicas added by other processes, shards added by grow()."""
+        self._extend(self._joined(self._run(self._directory.layout())))
+
+    def grow(self, shards: int) -> list[str]:
+        """Grow the pool to ``shards`` shards, for every process (docs/sharding.md): the new
+        shards start empty; replicas added from now on fill them first (homes go to the
+        emptiest shard), and new sessions go to them as soon as they have replicas. Sessions
+        already placed keep their shard. Returns the shards' names."""
+        k = shard_count(shards)
+        self._refresh()
+        if k < self._k:
+            raise ValueError(f"shards: a pool only grows; it has {self._k}, got {k}")
+        if k > self._k:
+            names = more_names(self.name, self.shard_names, k, self._primaries())
+            try:
+                self._extend(self._run(self._directory.layout("grow", names)))
+            except rx.ResponseError as exc:
+                raise self._directory.refused(exc) from None
+        return self.shard_names
 
     def _run(self, op: Op[T]) -> T:
         return self._dir._run(op)
@@ -79,7 +115,10 @@ class ShardedLoadBalancer(ShardedBase):
     def _shard_of(self, keys: list[str], avoid: tuple[int, ...] = ()) -> list[int]:
         missing = self._unplaced(keys, avoid)
         if missing:
-            self._remember(missing, self._run(self._directory.place(self._k, missing, avoid)))
+            placed = self._run(self._directory.place(missing, avoid))
+            if max(placed) >= len(self._shards):  # the pool grew since this process looked
+                self._refresh()
+            self._remember(missing, placed)
         self._publish_from_now()
         return self._placed(keys)
 
@@ -201,7 +240,7 @@ class ShardedLoadBalancer(ShardedBase):
         """Register replicas, each on its home shard (a new one: the emptiest by count,
         then capacity). Returns how many are new."""
         caps = self._capacities(servers, capacity)
-        homes = self._run(self._directory.assign(self._k, caps))
+        homes = self._run(self._directory.assign(caps))
         self._homes.update(homes)
         added = 0
         for shard, part in self._split_servers(servers, capacity, homes).items():
@@ -281,13 +320,10 @@ class ShardedLoadBalancer(ShardedBase):
             ref = weakref.ref(self)
             self._publisher = keeper.ThreadKeeper(lambda: _publish(ref), PUBLISH_EVERY)
 
-    def _reload_homes(self) -> None:
-        self._homes = self._run(self._directory.layout()).homes
-
     def _homes_of(self, server_ids: list[str]) -> dict[int, list[str]]:
         """``server_ids`` by home shard; an id this process has not seen reads the homes."""
         if any(not self._known(s) for s in validation.server_ids(server_ids)):
-            self._reload_homes()
+            self._refresh()
         return self._by_home(server_ids)
 
     # -- lifetime --------------------------------------------------------------------------
@@ -314,10 +350,12 @@ def _publish(ref: weakref.ReferenceType[ShardedLoadBalancer]) -> bool:
     if pool is None or pool._dir._core.closed:
         return False
     try:
-        due = pool._run(pool._directory.totals(pool._k, {}))
+        due = pool._run(pool._directory.totals({}))
         if due:
+            if max(due) >= len(pool._shards):
+                pool._refresh()
             totals = {s: pool._shards[s].get_total_inflight() for s in due}
-            pool._run(pool._directory.totals(pool._k, totals))
+            pool._run(pool._directory.totals(totals))
     except (rx.RedisError, NoServersAvailable, ConnectionError) as exc:
         keeper.log.debug("sharded pool %r: publishing totals failed: %s", pool.name, exc)
     return True

@@ -83,6 +83,25 @@ def shard_names(
     return names
 
 
+def more_names(
+    name: str, present: Sequence[str], k: int, primaries: Sequence[Sequence[tuple[int, int]]] = ()
+) -> list[str]:
+    """The layout's names grown to ``k``: the present ones, then new ones numbered after
+    them (on a Cluster, shard i on primary i mod their number, as :func:`shard_names`)."""
+    taken = [int(n.rsplit(SHARD_MARK, 1)[1]) for n in present if SHARD_MARK in n]
+    n = max(taken, default=-1) + 1
+    names = list(present)
+    for i in range(len(present), k):
+        while primaries and not any(
+            lo <= slot_of(f"{name}{SHARD_MARK}{n}") <= hi
+            for lo, hi in primaries[i % len(primaries)]
+        ):
+            n += 1
+        names.append(f"{name}{SHARD_MARK}{n}")
+        n += 1
+    return names
+
+
 def cluster_primaries(slots: Any) -> list[list[tuple[int, int]]]:
     """Each primary's slot ranges, primaries ordered by address, from redis-py's
     ``RedisCluster.cluster_slots()`` reply ({(lo, hi): {"primary": (host, port), ...}})."""
@@ -132,29 +151,29 @@ class Directory:
     def _call(self, script: str, args: Iterable[Any]) -> Call:
         return Call(load(script), tuple(args))
 
-    def layout(self, k: int = 0, names: Sequence[str] = ()) -> Op[Layout]:
-        """The pool's layout, written first if there is none and ``k`` > 0 (a refusal comes
-        back as a script error: :meth:`refused` says what it means)."""
-        raw = yield self._call("shard_layout", (k, json.dumps(list(names))))
+    def layout(self, mode: str = "read", names: Sequence[str] = ()) -> Op[Layout]:
+        """The pool's layout; ``mode`` "create" writes ``names`` if there is none, "grow"
+        extends it to ``names`` (a refusal comes back as a script error: see :meth:`refused`)."""
+        raw = yield self._call("shard_layout", (mode, json.dumps(list(names))))
         count, names_json = int(raw[0]), _text(raw[1])
         found = [str(n) for n in json.loads(names_json)]
-        if count and len(found) != count:
+        if len(found) != count:
             raise ConfigMismatch(f"sharded pool {self.name!r}: its layout is damaged")
         homes = {_text(raw[i]): int(_text(raw[i + 1]).split()[0]) for i in range(2, len(raw), 2)}
         return Layout(found, homes)
 
-    def refused(self, exc: Exception, k: int) -> Exception:
+    def refused(self, exc: Exception) -> Exception:
         """What a layout call's script error means."""
         text = str(exc)
-        if text.startswith("SHARDS "):
-            return ConfigMismatch(
-                f"sharded pool {self.name!r} has {text.split()[1]} shards, this process "
-                f"asked for {k}; every process of a pool must ask for the same count"
-            )
         if text.startswith("UNSHARDED"):
             return ConfigMismatch(
                 f"an unsharded balancer named {self.name!r} holds replicas: a sharded "
                 "pool needs a name of its own (or destroy() that balancer first)"
+            )
+        if text.startswith("LAYOUT"):
+            return ConfigMismatch(
+                f"sharded pool {self.name!r}: another process grew it at the same time; "
+                "read it again and retry"
             )
         return exc
 
@@ -163,13 +182,13 @@ class Directory:
         raw = yield self._call("shard_stats", ())
         return {_text(raw[i]): int(_text(raw[i + 1])) for i in range(0, len(raw), 2)}
 
-    def assign(self, k: int, caps: Mapping[str, int]) -> Op[dict[str, int]]:
+    def assign(self, caps: Mapping[str, int]) -> Op[dict[str, int]]:
         """Give each replica a home shard (kept if it has one): balanced by count, then
         capacity, in one script so concurrent adds never pick the same emptiest shard."""
         if not caps:
             return {}
         args = [x for sid, cap in caps.items() for x in (sid, cap)]
-        got = yield self._call("shard_assign", (k, *args))
+        got = yield self._call("shard_assign", args)
         return {sid: int(s) for sid, s in zip(caps, got, strict=True)}
 
     def unassign(self, server_ids: Sequence[str]) -> Op[int]:
@@ -177,19 +196,19 @@ class Directory:
             return 0
         return int((yield self._call("shard_unassign", server_ids)))
 
-    def place(self, k: int, keys: Sequence[str], avoid: Iterable[int] = ()) -> Op[list[int]]:
+    def place(self, keys: Sequence[str], avoid: Iterable[int] = ()) -> Op[list[int]]:
         """Each key's shard (a session id or a group id): the recorded one, else the shard
         with the fewest requests per replica; ``avoid``: shards not to choose (a recorded one
         there is placed anew)."""
-        head = (self.width_ms, self.sticky_ms, self.span, k, SEP.join(map(str, avoid)))
+        head = (self.width_ms, self.sticky_ms, self.span, SEP.join(map(str, avoid)))
         got = yield self._call("shard_place", (*head, *keys))
         return [int(s) for s in got]
 
-    def totals(self, k: int, published: Mapping[int, int]) -> Op[list[int]]:
+    def totals(self, published: Mapping[int, int]) -> Op[list[int]]:
         """Publish shards' totals; returns the shards now due, claimed by this process."""
         args = [x for s, n in published.items() for x in (s, n)]
         period = int(PUBLISH_EVERY * 1000)
-        return [int(s) for s in (yield self._call("shard_totals", (period, k, *args)))]
+        return [int(s) for s in (yield self._call("shard_totals", (period, *args)))]
 
 
 def _text(value: Any) -> str:
@@ -286,12 +305,14 @@ class ShardedBase:
         return shard_names(self.name, self._k, primaries)
 
     def _joined(self, layout: Layout) -> Layout:
-        """The layout found, if it is this process's count."""
-        if len(layout.names) != self._k:
+        """The layout found, if this process may join it: a pool grown past the count this
+        process asked for is joined as it is; a smaller one must be grown first."""
+        if len(layout.names) < self._k:
             raise ConfigMismatch(
                 f"sharded pool {self.name!r} has {len(layout.names)} shards, this process "
-                f"asked for {self._k}; every process of a pool must ask for the same count"
+                f"asked for {self._k}: grow it first (grow({self._k}), docs/sharding.md)"
             )
+        self._k = len(layout.names)
         return layout
 
     def _attach(self, core: Any) -> None:

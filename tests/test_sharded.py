@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -360,14 +361,19 @@ def test_a_lost_directory_record_costs_one_placement(
 
 
 @both
-def test_every_process_of_a_pool_asks_for_the_same_shard_count(
+def test_a_process_joins_the_pool_as_it_is_and_never_shrinks_it(
     make_pool: Callable[..., Any], r: redis.Redis
 ) -> None:
     pool = make_pool(REPLICAS, shards=4)
     before = sorted(r.keys("*"))
-    with pytest.raises(ConfigMismatch, match="has 4 shards, this process asked for 3"):
-        make_pool(shards=3, name=pool.name)
+    with pytest.raises(ConfigMismatch, match=r"has 4 shards, this process asked for 5: grow"):
+        make_pool(shards=5, name=pool.name)
     assert sorted(r.keys("*")) == before
+    # A process configured before the pool grew joins it with every shard.
+    older = make_pool(shards=2, name=pool.name)
+    assert older.shard_names == pool.shard_names
+    with pytest.raises(ValueError, match="a pool only grows; it has 4, got 3"):
+        pool.grow(3)
 
 
 @both
@@ -405,3 +411,89 @@ def test_destroy_deletes_every_key_of_the_pool(
     assert r.keys("*")
     assert pool.destroy() > 0
     assert r.keys("*") == []
+
+
+@both
+def test_growing_the_pool_keeps_every_placed_session_on_its_replica(
+    make_pool: Callable[..., Any], r: redis.Redis
+) -> None:
+    pool = make_pool({f"a{i}": "u" for i in range(4)}, shards=2)
+    other = make_pool(shards=2, name=pool.name)  # a process that does not grow it itself
+    where = {f"s{i}": pool.acquire_server(f"s{i}")[0] for i in range(40)}
+    for rid, sid in where.items():
+        pool.release_server(sid, rid)
+    assert len(pool.grow(4)) == 4
+    # New shards start empty and take the replicas added next.
+    pool.add_servers({f"b{i}": "u" for i in range(4)})
+    placing = pool.get_status()["placement"]
+    assert [p["replicas"] for p in placing] == [2, 2, 2, 2]
+    # Every session placed before keeps its replica, from the process that did not grow it.
+    for rid, sid in where.items():
+        assert other.acquire_server(rid)[0] == sid
+        other.release_server(sid, rid)
+    # New sessions reach the new shards, from either process, which now sees four.
+    fresh = collections.Counter(other.acquire_server(f"n{i}")[0] for i in range(40))
+    assert sum(n for sid, n in fresh.items() if sid.startswith("b")) >= 10, fresh
+    assert other.shard_names == pool.shard_names
+    check_directory(r, pool.name, 4)
+    assert check_shards(r, pool) == 40
+
+
+def test_sessions_keep_their_replicas_while_the_pool_grows_under_running_workers(
+    server: LocalServer, r: redis.Redis
+) -> None:
+    """Workers (each a pool instance of its own, as processes are) take turns of their
+    sessions while another grows the pool and adds replicas: every turn of a session placed
+    before lands on its replica."""
+    name = f"sp{next(_names)}"
+    admin = ShardedLoadBalancer(
+        {f"a{i}": "u" for i in range(4)}, shards=2, redis=server.url, name=name
+    )
+    workers = [ShardedLoadBalancer(shards=2, redis=server.url, name=name) for _ in range(3)]
+    try:
+        first = {}
+        for w, pool in enumerate(workers):
+            for i in range(10):
+                rid = f"w{w}-s{i}"
+                first[rid] = pool.acquire_server(rid)[0]
+                pool.release_server(first[rid], rid)
+        moved: list[tuple[str, str, str]] = []
+        stop = threading.Event()
+        turns = collections.Counter()
+
+        def work(w: int, pool: ShardedLoadBalancer) -> None:
+            while not stop.is_set():
+                for i in range(10):
+                    rid = f"w{w}-s{i}"
+                    sid = pool.acquire_server(rid)[0]
+                    if sid != first[rid]:
+                        moved.append((rid, first[rid], sid))
+                    pool.release_server(sid, rid)
+                    turns[w] += 1
+
+        threads = [
+            threading.Thread(target=work, args=(w, p), daemon=True) for w, p in enumerate(workers)
+        ]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while min(turns[w] for w in range(3)) < 20:
+            assert time.monotonic() < deadline, turns
+            time.sleep(0.01)
+        admin.grow(4)
+        admin.add_servers({f"b{i}": "u" for i in range(4)})
+        seen = dict(turns)
+        while any(turns[w] < seen[w] + 20 for w in range(3)):
+            assert time.monotonic() < deadline, turns
+            time.sleep(0.01)
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+            assert not t.is_alive()
+        assert moved == []
+        assert check_shards(r, admin) == 0
+        check_directory(r, name, 4)
+    finally:
+        stop.set()
+        for pool in (admin, *workers):
+            pool.close()
