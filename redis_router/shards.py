@@ -252,17 +252,77 @@ def no_shard(name: str) -> NoServersAvailable:
     )
 
 
+def split_servers(
+    servers: Mapping[str, Any], capacity: Mapping[str, int] | None, homes: Mapping[str, int]
+) -> dict[int, tuple[dict[str, Any], dict[str, int] | None]]:
+    """``servers`` (and their declared capacities) grouped by home shard."""
+    out: dict[int, tuple[dict[str, Any], dict[str, int] | None]] = {}
+    for sid, meta in servers.items():
+        part = out.setdefault(homes[sid], ({}, {} if capacity is not None else None))
+        part[0][sid] = meta
+        if capacity is not None and part[1] is not None:
+            part[1].update({u: c for u, c in capacity.items() if dp.replica_of(u)[0] == sid})
+    return out
+
+
+def placement(shards: Sequence[Any], stats: Mapping[str, int]) -> list[dict[str, Any]]:
+    """The directory's view of each shard (``shards``: anything with a ``name``)."""
+    return [
+        {
+            "shard": b.name,
+            "replicas": stats.get(f"n:{s}", 0),
+            "capacity": stats.get(f"cap:{s}", 0),
+            "published_inflight": stats.get(f"in:{s}", 0),
+            "placed_since": stats.get(f"new:{s}", 0),
+        }
+        for s, b in enumerate(shards)
+    ]
+
+
 # Status fields summed over the shards, and those that are lists to join.
 _SUMMED = ("total_inflight", "active_servers", "registered_handles", "sticky_sessions")
 _JOINED = ("draining_servers", "ejected_servers", "full_servers")
 
 
+# A process is one holder on each shard it acquired on: the pool's process counts are the
+# largest shard's (a lower bound), its lease counts the sum, its ages the oldest.
+_HOLDERS_MOST = ("live", "dead", "unheard", "on_probation", "probation_ms", "unheard_ms")
+
+
+def merged_holders(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for field in shards[0]:
+        values = [s[field] for s in shards]
+        if field == "probation_running":
+            out[field] = any(values)
+        elif field in _HOLDERS_MOST:
+            out[field] = max(values)
+        else:
+            out[field] = sum(values)
+    return out
+
+
+def merged_waiting(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    served = sum(w["served"] for w in shards)
+    waited = sum(w["mean_wait"] * w["served"] for w in shards)
+    return {
+        "now": sum(w["now"] for w in shards),
+        "oldest_wait": max(w["oldest_wait"] for w in shards),
+        "served": served,
+        "mean_wait": waited / served if served else 0.0,
+        "max_wait": max(w["max_wait"] for w in shards),
+        "timed_out": sum(w["timed_out"] for w in shards),
+        "abandoned": sum(w["abandoned"] for w in shards),
+    }
+
+
 def merged_status(name: str, shards: Sequence[Mapping[str, Any]], placing: Any) -> dict[str, Any]:
     """The pool's status as one (the shards' replicas together, their totals summed), with
     each shard's own under ``shards`` and the directory's view under ``placement``."""
-    first = shards[0]
-    out: dict[str, Any] = {k: v for k, v in first.items() if k not in ("holders", "waiting")}
+    out: dict[str, Any] = dict(shards[0])
     out["name"] = name
+    out["holders"] = merged_holders([s["holders"] for s in shards])
+    out["waiting"] = merged_waiting([s["waiting"] for s in shards])
     replicas: dict[str, Any] = {}
     for s in shards:
         replicas.update(s["replicas"])
@@ -454,31 +514,14 @@ class ShardedBase:
     def _split_servers(
         servers: Mapping[str, Any], capacity: Mapping[str, int] | None, homes: Mapping[str, int]
     ) -> dict[int, tuple[dict[str, Any], dict[str, int] | None]]:
-        """``servers`` (and their declared capacities) grouped by home shard."""
-        out: dict[int, tuple[dict[str, Any], dict[str, int] | None]] = {}
-        for sid, meta in servers.items():
-            part = out.setdefault(homes[sid], ({}, {} if capacity is not None else None))
-            part[0][sid] = meta
-            if capacity is not None and part[1] is not None:
-                part[1].update({u: c for u, c in capacity.items() if dp.replica_of(u)[0] == sid})
-        return out
+        return split_servers(servers, capacity, homes)
 
     # -- results as one --------------------------------------------------------------------
 
     def _status(
         self, found: Sequence[Mapping[str, Any]], stats: Mapping[str, int]
     ) -> dict[str, Any]:
-        placing = [
-            {
-                "shard": b.name,
-                "replicas": stats.get(f"n:{s}", 0),
-                "capacity": stats.get(f"cap:{s}", 0),
-                "published_inflight": stats.get(f"in:{s}", 0),
-                "placed_since": stats.get(f"new:{s}", 0),
-            }
-            for s, b in enumerate(self._shards)
-        ]
-        return merged_status(self.name, found, placing)
+        return merged_status(self.name, found, placement(self._shards, stats))
 
     @staticmethod
     def _bumped(results: Sequence[Mapping[str, int]]) -> dict[str, int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import signal
 import threading
@@ -29,6 +30,7 @@ from ..errors import RedisConfigError, RedisUnavailable
 from ..invoke import Sender
 from ..policy import LeastLoaded
 from ..scoring import EngineScoring
+from ..shards import Directory, capacities, merged_status, placement, split_servers
 
 
 class CliError(Exception):
@@ -187,15 +189,132 @@ class Balancer:
         raw["sticky_ttl"] = ttl
         return raw
 
+    def pinned(self, field: str) -> str:
+        """A setting the workers pinned ("" when none is)."""
+        raw = self._read(self.client.hget, config_key(self.name), field)
+        return raw.decode() if isinstance(raw, bytes) else raw or ""
+
+    # What the pool commands do, here on one balancer (a sharded pool: on each replica's
+    # home shard, see ShardedPool).
+
+    def add_servers(self, servers: dict[str, Any], capacity: dict[str, int] | None) -> int:
+        return self.run(self.core().add_servers(servers, capacity))
+
+    def remove_servers(self, ids: list[str]) -> int:
+        return self.run(self.core().remove_servers(ids))
+
+    def set_draining(self, ids: list[str], draining: bool) -> int:
+        return self.run(self.core().set_draining(ids, draining))
+
+    def clear_sticky(self) -> None:
+        core = self.core(self.pinned_sticky_ttl())  # its buckets are where the sessions are
+        self.run(core.clear_sticky(), core)
+
+    def reap_all(self) -> tuple[int, float, float]:
+        """As a tool: judged by the workers' lease ttls, and waiting for every unheard one."""
+        return self.run(self.core().reap_all(tool=True))
+
+    def pin_sticky_ttl(self, seconds: float) -> None:
+        """Pin sticky_ttl as a worker's first acquire would (HSETNX: a pinned value stays)."""
+        self.client.hsetnx(config_key(self.name), "sticky_ttl_ms", self.core(seconds).sticky_ms)
+
+    def metadata(self) -> dict[str, Any]:
+        """Every replica's metadata as readers see it (a plain URL string is {"url": it};
+        validation.metadata), read in one HGETALL."""
+        raw = self.client.hgetall(servers_key(self.name))
+        return {
+            (sid.decode() if isinstance(sid, bytes) else sid): validation.stored_metadata(meta)
+            for sid, meta in raw.items()
+        }
+
+
+class ShardedPool(Balancer):
+    """A sharded pool as the CLI drives it: its status as one (and per shard), pool commands
+    on each replica's home shard through the pool's directory (redis_router.shards)."""
+
+    def __init__(self, client: Any, name: str, url: str, shard_names: list[str]) -> None:
+        super().__init__(client, name, url)  # its core's keys are the directory's
+        self.shards = [Balancer(client, n, url) for n in shard_names]
+        self.directory = Directory.of(self.name, OPTION_DEFAULTS["sticky_ttl"])
+
+    def exists(self) -> bool:
+        return True
+
+    def pinned_sticky_ttl(self) -> float | None:
+        return self.shards[0].pinned_sticky_ttl()
+
+    def pinned(self, field: str) -> str:
+        return self.shards[0].pinned(field)
+
+    def status(self) -> dict[str, Any]:
+        found = [b.status() for b in self.shards]
+        stats = self.run(self.directory.stats())
+        placing = placement(self.shards, stats)
+        merged = merged_status(self.name, found, placing)
+        merged["sticky_ttl"] = found[0]["sticky_ttl"]
+        return merged
+
+    def _homes(self) -> dict[str, int]:
+        return self.run(self.directory.layout()).homes
+
+    def _by_home(self, ids: list[str]) -> dict[int, list[str]]:
+        homes = self._homes()
+        out: dict[int, list[str]] = {}
+        for sid in ids:
+            shard = homes.get(sid, homes.get(dp.replica_of(sid)[0], 0))
+            out.setdefault(shard, []).append(sid)
+        return out
+
+    def add_servers(self, servers: dict[str, Any], capacity: dict[str, int] | None) -> int:
+        homes = self.run(self.directory.assign(capacities(servers, capacity)))
+        return sum(
+            self.shards[shard].add_servers(*part)
+            for shard, part in split_servers(servers, capacity, homes).items()
+        )
+
+    def remove_servers(self, ids: list[str]) -> int:
+        n = sum(self.shards[s].remove_servers(part) for s, part in self._by_home(ids).items())
+        self.run(self.directory.unassign(ids))
+        return n
+
+    def set_draining(self, ids: list[str], draining: bool) -> int:
+        return sum(
+            self.shards[s].set_draining(part, draining) for s, part in self._by_home(ids).items()
+        )
+
+    def clear_sticky(self) -> None:
+        for b in self.shards:
+            b.clear_sticky()
+
+    def reap_all(self) -> tuple[int, float, float]:
+        got = [b.reap_all() for b in self.shards]
+        return sum(g[0] for g in got), max(g[1] for g in got), max(g[2] for g in got)
+
+    def pin_sticky_ttl(self, seconds: float) -> None:
+        for b in self.shards:
+            b.pin_sticky_ttl(seconds)
+
+    def metadata(self) -> dict[str, Any]:
+        return {sid: meta for b in self.shards for sid, meta in b.metadata().items()}
+
 
 def pool_metadata(balancer: Balancer) -> dict[str, Any]:
-    """Every replica's metadata as readers see it (a plain URL string is {"url": it};
-    validation.metadata), read in one HGETALL."""
-    raw = balancer.client.hgetall(servers_key(balancer.name))
-    return {
-        (sid.decode() if isinstance(sid, bytes) else sid): validation.stored_metadata(meta)
-        for sid, meta in raw.items()
-    }
+    """Every replica's metadata as readers see it (see Balancer.metadata)."""
+    return balancer.metadata()
+
+
+def balancer_at(client: Any, name: str, url: str) -> Balancer:
+    """The balancer named ``name``: a :class:`ShardedPool` where that is a sharded pool's."""
+    shards = sharded_layout(client, name)
+    return ShardedPool(client, name, url, shards) if shards else Balancer(client, name, url)
+
+
+def sharded_layout(client: Any, name: str) -> list[str]:
+    """The shards' names if ``name`` is a sharded pool's, else []."""
+    raw = client.hget(f"rr:{{{name}}}:layout", "names")
+    if raw is None:
+        return []
+    return [str(n) for n in json.loads(raw.decode() if isinstance(raw, bytes) else raw)]
 
 
 def missing_balancer(balancer: Balancer) -> CliError:
@@ -209,14 +328,26 @@ def missing_balancer(balancer: Balancer) -> CliError:
 
 
 @contextmanager
-def open_balancer(args: Any, *, create: bool = False) -> Iterator[Balancer]:
+def open_balancer(
+    args: Any, *, create: bool = False, pool_wide: bool = False
+) -> Iterator[Balancer]:
     """Yield the ``--name`` balancer. Raises CliError when Redis is unreachable, or when the
-    balancer does not exist and ``create`` is False (only `servers add` may create one)."""
+    balancer does not exist and ``create`` is False (only `servers add` may create one).
+    A sharded pool's name yields the pool (:class:`ShardedPool`) for commands that act on
+    it as one (``pool_wide``); the others are told to name a shard."""
     url = url_of(args)
     client = connect(url)
     try:
         balancer = Balancer(client, args.name, url)
         try:
+            balancer = balancer_at(client, balancer.name, url)
+            if isinstance(balancer, ShardedPool) and not pool_wide:
+                shards = [b.name for b in balancer.shards]
+                raise CliError(
+                    f"{balancer.name!r} is a sharded pool: this command works on one "
+                    f"balancer; run it on each shard (--name {shards[0]!r} ... "
+                    f"{shards[-1]!r})"
+                )
             if not create and not balancer.exists():
                 raise missing_balancer(balancer)
             yield balancer
@@ -306,17 +437,18 @@ def snapshot(balancer: Balancer) -> dict[str, Any]:
         "replicas": replicas,
         "totals": totals,
     }
-    pinned = balancer.client.hget(config_key(balancer.name), "ejection")
-    snap["ejection"] = health.describe(
-        pinned.decode() if isinstance(pinned, bytes) else pinned or ""
-    )
+    snap["ejection"] = health.describe(balancer.pinned("ejection"))
     # Engine-aware scoring as pinned (None: off): redis_router.scoring.
-    engine = balancer.client.hget(config_key(balancer.name), "engine")
-    scoring = EngineScoring.parse(engine.decode() if isinstance(engine, bytes) else engine or "")
+    scoring = EngineScoring.parse(balancer.pinned("engine"))
     snap["engine_scoring"] = dataclasses.asdict(scoring) if scoring else None
     snap["waiting"] = raw["waiting"]
     # data-parallel replicas: their ranks' ids and sums (redis_router.dp)
     snap["dp_replicas"] = dp.grouped(replicas)
     if raw.get("holders") is not None:  # worker processes: live, dead, leases awaiting reclaim
         snap["holders"] = raw["holders"]
+    if "shards" in raw:  # a sharded pool: each shard, and the directory's view of it
+        snap["shards"] = [
+            {**{k: v for k, v in s.items() if k not in ("holders", "waiting")}, **p}
+            for s, p in zip(raw["shards"], raw["placement"], strict=True)
+        ]
     return snap

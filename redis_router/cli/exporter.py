@@ -36,6 +36,9 @@ and for acquires that wait for a place in a full pool ``redis_router_waiting`` (
 ``redis_router_oldest_wait_seconds``, ``redis_router_waits_total`` by ``outcome``
 served|timed_out|abandoned, ``redis_router_wait_seconds_total`` (of the served) and
 ``redis_router_max_wait_seconds``.
+For a sharded pool (docs/sharding.md), per ``shard``: ``redis_router_shard_replicas``,
+``redis_router_shard_inflight``, ``redis_router_shard_sticky_sessions`` and
+``redis_router_shard_published_inflight`` (what the directory places new sessions by).
 For replicas whose engine reported its own load (``redis-router load``, docs/engine-load.md):
 ``redis_router_engine_running``, ``redis_router_engine_waiting``,
 ``redis_router_engine_kv_usage`` (0 to 1, only when known) and
@@ -59,7 +62,7 @@ from redis import exceptions as rx
 
 from ..connection import connect, redact
 from ..errors import RedisUnavailable
-from .common import Balancer, CliError, natural_key, unreachable, url_of
+from .common import Balancer, CliError, balancer_at, natural_key, unreachable, url_of
 
 DEFAULT_PORT = 9464
 
@@ -105,8 +108,9 @@ class BalancerCollector:
         self.name = self._balancer.name
 
     def status(self) -> dict[str, Any] | None:
-        """The balancer's status, None if it does not exist (yet)."""
-        return self._balancer.status() if self._balancer.exists() else None
+        """The balancer's status (a sharded pool's as one), None if it does not exist (yet)."""
+        b = balancer_at(self._balancer.client, self.name, self.url)
+        return b.status() if b.exists() else None
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -145,6 +149,7 @@ class BalancerCollector:
         yield from _health(self.name, replicas)
         yield from _engine(self.name, replicas)
         yield from _waiting(self.name, (status or {}).get("waiting"))
+        yield from _shards(self.name, (status or {}).get("shards"), (status or {}).get("placement"))
         yield from self._kv_index({sid: r["metadata"] for sid, r in replicas.items()})
 
     def _kv_index(self, metadata: dict[str, Any]) -> Iterator[Any]:
@@ -262,6 +267,34 @@ def _engine(name: str, replicas: dict[str, Any]) -> Iterator[Any]:
             kv.add_metric([name, sid], float(e["kv_usage"]))
         age.add_metric([name, sid], float(e["age_s"]))
     yield from (running, waiting, kv, age)
+
+
+def _shards(name: str, shards: Any, placing: Any) -> Iterator[Any]:
+    """A sharded pool's shards: what each holds, and what the directory last heard of it."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    if not shards:
+        return
+    labels = ["balancer", "shard"]
+    rows = (
+        ("shard_replicas", "servers", "Replicas whose home is the shard."),
+        ("shard_inflight", "total_inflight", "Requests in flight on the shard's replicas."),
+        ("shard_sticky_sessions", "sticky_sessions", "Live sticky sessions on the shard."),
+    )
+    for metric, field, text in rows:
+        g = GaugeMetricFamily(f"redis_router_{metric}", text, labels=labels)
+        for s in shards:
+            g.add_metric([name, s["name"]], float(s[field]))
+        yield g
+    g = GaugeMetricFamily(
+        "redis_router_shard_published_inflight",
+        "The shard's in-flight total as last published to the directory, which places new "
+        "sessions by it.",
+        labels=labels,
+    )
+    for p in placing:
+        g.add_metric([name, p["shard"]], float(p["published_inflight"]))
+    yield g
 
 
 def _waiting(name: str, waiting: dict[str, Any] | None) -> Iterator[Any]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from .. import dp, validation
 from ..core import probation_wait
-from .common import Balancer, CliError, Handlers, config_key, open_balancer
+from .common import CliError, Handlers, open_balancer
 
 
 def _servers_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +64,7 @@ def _servers_arguments(parser: argparse.ArgumentParser) -> None:
 def _servers(args: argparse.Namespace) -> int:
     if args.action == "add":
         return _add(args)
-    with open_balancer(args) as b:
+    with open_balancer(args, pool_wide=True) as b:
         states = {sid: r["draining"] for sid, r in b.status()["replicas"].items()}
         replicas = {dp.replica_of(sid)[0] for sid in states}  # a rank's replica (its id)
         unknown = [sid for sid in args.ids if sid not in states and sid not in replicas]
@@ -74,18 +74,17 @@ def _servers(args: argparse.Namespace) -> int:
                 f"(replicas: {', '.join(sorted(states)) or 'none'}); nothing was changed"
             )
         ids = list(dict.fromkeys(args.ids))
-        core = b.core()
         if args.action == "remove":
-            n = b.run(core.remove_servers(ids))
+            n = b.remove_servers(ids)
             print(f"removed {n} replica(s) from balancer {b.name!r}: {' '.join(ids)}")
         elif args.action == "drain":
-            n = b.run(core.set_draining(ids, True))
+            n = b.set_draining(ids, True)
             print(
                 f"draining {' '.join(ids)} ({n} changed): no new sessions, sticky sessions "
                 "still served; remove once `redis-router status` shows drained"
             )
         else:
-            n = b.run(core.set_draining(ids, False))
+            n = b.set_draining(ids, False)
             print(f"undrained {' '.join(ids)} ({n} changed): new sessions go there again")
     return 0
 
@@ -93,11 +92,11 @@ def _servers(args: argparse.Namespace) -> int:
 def _add(args: argparse.Namespace) -> int:
     validation.server_id(args.id, "replica id")  # named as the command line names it
     meta = _parse_meta(args.meta)
-    with open_balancer(args, create=True) as b:
+    with open_balancer(args, create=True, pool_wide=True) as b:
         capacity = None if args.capacity is None else {args.id: args.capacity}
-        new = b.run(b.core().add_servers({args.id: meta}, capacity))
+        new = b.add_servers({args.id: meta}, capacity)
         if args.sticky_ttl is not None:
-            _pin_sticky_ttl(b, args.sticky_ttl)
+            b.pin_sticky_ttl(args.sticky_ttl)
         rows = b.status()["replicas"]
     units = sorted(
         (sid for sid in rows if sid == args.id or dp.replica_of(sid)[0] == args.id),
@@ -111,11 +110,6 @@ def _add(args: argparse.Namespace) -> int:
     note = " (still draining: `servers undrain` to take new sessions)" if draining else ""
     print(f"{what} {args.id!r}{ranks} to balancer {b.name!r}{note}")
     return 0
-
-
-def _pin_sticky_ttl(b: Balancer, seconds: float) -> None:
-    """Pin sticky_ttl as a worker's first acquire would (HSETNX: a pinned value stays)."""
-    b.client.hsetnx(config_key(b.name), "sticky_ttl_ms", b.core(seconds).sticky_ms)
 
 
 def _parse_meta(text: str) -> Any:
@@ -142,10 +136,9 @@ def _sessions_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _sessions(args: argparse.Namespace) -> int:
-    with open_balancer(args) as b:
-        core = b.core(b.pinned_sticky_ttl())  # its buckets are where the sessions are
+    with open_balancer(args, pool_wide=True) as b:
         before = b.status()["sticky_sessions"]
-        b.run(core.clear_sticky(), core)
+        b.clear_sticky()
     print(f"cleared {before} sticky session(s) of balancer {b.name!r}")
     return 0
 
@@ -167,10 +160,8 @@ def _reap_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _reap(args: argparse.Namespace) -> int:
-    with open_balancer(args) as b:
-        core = b.core()
-        # As a tool: judged by the workers' lease ttls, and waiting for every unheard one.
-        n, limbo, listen = b.run(core.reap_all(tool=True))
+    with open_balancer(args, pool_wide=True) as b:
+        n, limbo, listen = b.reap_all()
         if limbo > 0 and args.wait:
             # After a gap in heartbeats (a pause of Redis, or no process alive) the holders
             # unheard during it are on probation: wait it out, calling so Redis hears this.
@@ -183,7 +174,7 @@ def _reap(args: argparse.Namespace) -> int:
             until = time.monotonic() + limbo + 5.0
             while limbo > 0 and time.monotonic() < until:
                 time.sleep(probation_wait(limbo, listen))
-                more, limbo, listen = b.run(core.reap_all(tool=True))
+                more, limbo, listen = b.reap_all()
                 n += more
         elif limbo > 0:
             print(

@@ -100,11 +100,23 @@ def render(snap: dict[str, Any], *, clock: str | None = None) -> str:
         + f"{t['full']} full, {t['ejected']} ejected, {t['draining']} draining, "
         f"{t['drained']} drained"
     )
+    lines += shard_lines(snap)
     lines += health_lines(snap)
     lines += engine_lines(snap)
     lines += kv_index_lines(snap)
     lines += hints(snap)
     return "\n".join(lines)
+
+
+def shard_lines(snap: dict[str, Any]) -> list[str]:
+    """A sharded pool's shards: replicas, in flight, sessions, and what the directory last
+    heard of each (the in-flight total it places new sessions by)."""
+    return [
+        f"shard {s['name']}: {s['servers']} replicas, {s['total_inflight']} in flight, "
+        f"{s['sticky_sessions']} sessions; directory: {s['published_inflight']} in flight "
+        f"as last published, {s['placed_since']} new sessions since"
+        for s in snap.get("shards", ())
+    ]
 
 
 def _group_row(replica: str, group: dict[str, Any], rows: dict[str, Any]) -> list[str]:
@@ -223,7 +235,7 @@ def hints(snap: dict[str, Any]) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if not args.interval > 0:
         raise ValueError(f"--interval must be > 0 seconds, got {args.interval:g}")
-    with open_balancer(args) as balancer:
+    with open_balancer(args, pool_wide=True) as balancer:
         if not args.watch:
             snap = with_kv_index(balancer, snapshot(balancer))
             print(json.dumps(snap) if args.json else render(snap))
