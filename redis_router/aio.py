@@ -134,17 +134,25 @@ class AsyncLease:
         """End the lease without waiting for Redis (see release_server); ``await`` it for the
         result, True if this call ended it. Safe from a cancelled task's cleanup: the release
         goes out whatever happens to the task awaiting it."""
-        if self._released:
-            return self._balancer._post_done(False)
-        self._released = True
-        return self._balancer._post(self.server_id, self.request_id, self.token)
+        return self._end(False)
 
     def fail(self) -> AsyncReleased:
         """End the lease and report that its request failed (see Lease.fail)."""
+        return self._end(True)
+
+    def _end(self, failed: bool) -> AsyncReleased:
+        """Send the release once; one that failed (Redis unreachable) leaves the lease
+        releasable, so calling again after the outage ends it."""
         if self._released:
             return self._balancer._post_done(False)
         self._released = True
-        return self._balancer._post(self.server_id, self.request_id, self.token, True)
+        sent = self._balancer._post(self.server_id, self.request_id, self.token, failed)
+        sent._future.add_done_callback(self._sent)
+        return sent
+
+    def _sent(self, future: asyncio.Future[bool]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            self._released = False
 
     def __repr__(self) -> str:
         return f"AsyncLease(server_id={self.server_id!r}, request_id={self.request_id!r})"

@@ -75,20 +75,25 @@ class Lease:
     def release(self) -> Released[bool]:
         """End the lease, without waiting for Redis (see ``release_server``). Its result,
         when asked for, is True if this call ended it."""
-        if self._released:
-            return Released.of(False)
-        self._released = True
-        b = self._balancer
-        return b._post(b._core.release(self.server_id, self.request_id, self.token))
+        return self._end(False)
 
     def fail(self) -> Released[bool]:
         """End the lease and report that its request failed: ``eject_after`` failures in a
         row eject the replica for every process. Its result: True if this call ended it."""
+        return self._end(True)
+
+    def _end(self, failed: bool) -> Released[bool]:
+        """Send the release once; a send that raised (Redis unreachable) leaves the lease
+        releasable, so calling again after the outage ends it."""
         if self._released:
             return Released.of(False)
         self._released = True
         b = self._balancer
-        return b._post(b._core.release(self.server_id, self.request_id, self.token, True))
+        try:
+            return b._post(b._core.release(self.server_id, self.request_id, self.token, failed))
+        except BaseException:
+            self._released = False
+            raise
 
     def __repr__(self) -> str:
         return f"Lease(server_id={self.server_id!r}, request_id={self.request_id!r})"
