@@ -72,32 +72,90 @@ def _close_all(servers: Sequence[LocalServer]) -> None:
 
 
 class _ClusterNode(LocalServer):
-    """A cluster-enabled server: its bus port (port + 10000) must be free as well."""
+    """A cluster-enabled server: its bus port (port + 10000) must be free as well.
+
+    A node timeout of 2 s: a killed primary is flagged failing about 2-3 s after its death
+    and its replica takes over within about a second more (election delay 0.5-1 s).
+    """
 
     port_offsets = (CLUSTER_BUS_OFFSET,)
 
-    def __init__(self, binary: ServerBinary) -> None:
+    def __init__(self, binary: ServerBinary, extra: Sequence[str] = ()) -> None:
         args = [
             "--cluster-enabled", "yes",
             "--cluster-config-file", "nodes.conf",
             "--cluster-node-timeout", "2000",
+            *extra,
         ]  # fmt: skip
         super().__init__(binary, args=args)
 
 
-class LocalCluster:
-    """A real Redis Cluster of ``masters`` nodes (no replicas) from one binary.
+class ClusterNodeView:
+    """One line of CLUSTER NODES, as one node sees another."""
 
-    Built without redis-cli: slots are assigned per node, config epochs set,
-    then nodes MEET, so it works on any binary we can find.
+    def __init__(self, line: str) -> None:
+        parts = line.split()
+        self.id = parts[0]
+        address = parts[1].split(",", 1)[0].split("@", 1)[0]  # ip:port@cport[,hostname]
+        self.host, port = address.rsplit(":", 1)
+        self.port = int(port) if port.isdigit() else 0
+        self.flags = set(parts[2].split(","))
+        self.master_id = None if parts[3] == "-" else parts[3]
+        self.link = parts[7] if len(parts) > 7 else ""
+        self.slots: list[tuple[int, int]] = []
+        for item in parts[8:]:
+            if item.startswith("["):  # a slot being imported or migrated
+                continue
+            first, _, last = item.partition("-")
+            self.slots.append((int(first), int(last or first)))
+
+    @property
+    def primary(self) -> bool:
+        return "master" in self.flags
+
+    @property
+    def failing(self) -> bool:
+        return bool({"fail", "fail?"} & self.flags)
+
+    def __repr__(self) -> str:
+        return f"<{self.port} {','.join(sorted(self.flags))} slots={self.slots}>"
+
+
+class LocalCluster:
+    """A real Redis Cluster of ``masters`` primaries, each with ``replicas`` replicas, from
+    one binary.
+
+    Built without redis-cli: slots are assigned per primary, config epochs set, then nodes
+    MEET; each replica is then attached with CLUSTER REPLICATE. So it works on any binary we
+    can find. ``nodes`` lists the primaries first (in :meth:`slot_ranges` order), then the
+    replicas (primary i's j-th replica at ``masters + i * replicas + j``); after a failover
+    a node's role is what :meth:`view` says, not its place in ``nodes``.
+
+    ``require_full_coverage=False`` lets the primaries that still serve their slots answer
+    while another primary is down and not yet replaced (Redis' default stops the whole
+    cluster with CLUSTERDOWN from the moment a primary is flagged failing until its replica
+    takes over).
     """
 
-    def __init__(self, binary: ServerBinary, masters: int = 3) -> None:
+    def __init__(
+        self,
+        binary: ServerBinary,
+        masters: int = 3,
+        replicas: int = 0,
+        *,
+        require_full_coverage: bool = True,
+    ) -> None:
         if masters < 1:
             raise ValueError("masters must be >= 1")
+        if replicas < 0:
+            raise ValueError("replicas must be >= 0")
         self.binary = binary
         self.masters = masters
+        self.replicas = replicas
+        self.require_full_coverage = require_full_coverage
         self.nodes: list[_ClusterNode] = []
+        self.node_ids: dict[int, str] = {}  # port -> cluster node id
+        self._orphans: dict[int, list[_ClusterNode]] = {}  # killed primary's port -> replicas
 
     @property
     def startup_nodes(self) -> list[tuple[str, int]]:
@@ -109,16 +167,26 @@ class LocalCluster:
         return f"redis+cluster://{hosts}"
 
     def slot_ranges(self) -> list[tuple[int, int]]:
-        """Inclusive slot range owned by each node, split as evenly as possible."""
+        """Inclusive slot range owned by each primary at start, split as evenly as possible."""
         n = self.masters
         return [(i * CLUSTER_SLOTS // n, (i + 1) * CLUSTER_SLOTS // n - 1) for i in range(n)]
+
+    def _node_args(self) -> list[str]:
+        """Options beyond _ClusterNode's own: none for a cluster of primaries only."""
+        args: list[str] = []
+        if self.replicas:
+            # 7.0+ delays a diskless full sync by 5 s by default; replicas attach at once.
+            args += ["--repl-diskless-sync-delay", "0"]
+        if not self.require_full_coverage:
+            args += ["--cluster-require-full-coverage", "no"]
+        return args
 
     def start(self, timeout: float = 30.0) -> LocalCluster:
         if self.nodes:
             return self
         try:
-            for _ in range(self.masters):
-                node = _ClusterNode(self.binary)
+            for _ in range(self.masters * (1 + self.replicas)):
+                node = _ClusterNode(self.binary, self._node_args())
                 self.nodes.append(node)
                 node.start()
             self._form(timeout)
@@ -128,10 +196,15 @@ class LocalCluster:
         return self
 
     def _form(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        primaries, replicas = self.nodes[: self.masters], self.nodes[self.masters :]
         clients = [probe_client(n.host, n.port) for n in self.nodes]
+        total = len(self.nodes)
         try:
+            for node, client in zip(self.nodes, clients, strict=True):
+                self.node_ids[node.port] = _as_text(_call(client, "CLUSTER", "MYID"))
             for epoch, (client, (first, last)) in enumerate(
-                zip(clients, self.slot_ranges(), strict=True), start=1
+                zip(clients, self.slot_ranges(), strict=False), start=1
             ):
                 self._add_slots(client, first, last)
                 # Distinct epochs up front avoid a round of epoch-collision
@@ -140,25 +213,56 @@ class LocalCluster:
             for node in self.nodes[1:]:
                 _call(clients[0], "CLUSTER", "MEET", node.host, node.port)
 
+            # primary of each replica (by port), for CLUSTER REPLICATE and the check below
+            want_primary: dict[int, str] = {}
+            for i, primary in enumerate(primaries):
+                for node in replicas[i * self.replicas : (i + 1) * self.replicas]:
+                    want_primary[node.port] = self.node_ids[primary.port]
+            for node in replicas:
+                client = clients[self.nodes.index(node)]
+                primary_id = want_primary[node.port]
+
+                def attach(c: redis.Redis = client, p: str = primary_id) -> Any:
+                    return _call(c, "CLUSTER", "REPLICATE", p)
+
+                # "ERR Unknown node" until gossip has told this node about its primary.
+                _wait_for(
+                    f"node {node.port} to replicate {primary_id}",
+                    attach,
+                    max(1.0, deadline - time.monotonic()),
+                )
+
             def converged() -> bool:
-                for client in clients:
+                for node, client in zip(self.nodes, clients, strict=True):
                     info = _as_text(_call(client, "CLUSTER", "INFO"))
                     fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
                     if fields.get("cluster_state") != "ok":
                         return False
-                    if fields.get("cluster_known_nodes") != str(self.masters):
+                    if fields.get("cluster_known_nodes") != str(total):
                         return False
                     if fields.get("cluster_slots_ok") != str(CLUSTER_SLOTS):
                         return False
                     nodes = _as_text(_call(client, "CLUSTER", "NODES"))
                     lines = [line.split() for line in nodes.splitlines() if line.strip()]
-                    if len(lines) != self.masters:
+                    if len(lines) != total:
                         return False
                     if any(len(p) < 8 or p[7] != "connected" for p in lines):
                         return False
+                    if want_primary:
+                        seen = {v.port: v for v in map(ClusterNodeView, nodes.splitlines())}
+                        for port, primary_id in want_primary.items():
+                            if port not in seen or seen[port].master_id != primary_id:
+                                return False
+                        if node.port in want_primary:
+                            link = client.info("replication").get("master_link_status")
+                            if link != "up":
+                                return False
                 return True
 
-            _wait_for("cluster_state:ok on every node", converged, timeout)
+            what = "cluster_state:ok on every node"
+            if replicas:
+                what += ", every replica attached and synced"
+            _wait_for(what, converged, max(1.0, deadline - time.monotonic()))
         finally:
             for client in clients:
                 client.close()
@@ -175,6 +279,112 @@ class LocalCluster:
         for lo in range(first, last + 1, 1000):
             chunk = range(lo, min(lo + 1000, last + 1))
             _call(client, "CLUSTER", "ADDSLOTS", *chunk)
+
+    # -- topology, as the running nodes see it ----------------------------------------------
+
+    def node_at(self, port: int) -> _ClusterNode:
+        for node in self.nodes:
+            if node.port == port:
+                return node
+        raise KeyError(f"no node of this cluster listens on port {port}")
+
+    def view(self, node: LocalServer | None = None) -> list[ClusterNodeView]:
+        """CLUSTER NODES as ``node`` (by default the first running node) sees the cluster."""
+        if node is None:
+            node = next((n for n in self.nodes if n.running), None)
+            if node is None:
+                raise RuntimeError("no node of the cluster is running")
+        client = probe_client(node.host, node.port)
+        try:
+            text = _as_text(_call(client, "CLUSTER", "NODES"))
+        finally:
+            client.close()
+        return [ClusterNodeView(line) for line in text.splitlines() if line.strip()]
+
+    def primaries(self) -> list[_ClusterNode]:
+        """The nodes serving slots now (as the first running node sees it), by port."""
+        serving = [v for v in self.view() if v.primary and v.slots and not v.failing]
+        return sorted((self.node_at(v.port) for v in serving), key=lambda n: n.port)
+
+    def replicas_of(self, primary: _ClusterNode) -> list[_ClusterNode]:
+        """The nodes replicating ``primary`` now (as the first running node sees it)."""
+        primary_id = self.node_ids[primary.port]
+        return [self.node_at(v.port) for v in self.view() if v.master_id == primary_id]
+
+    def node_for_slot(self, slot: int) -> _ClusterNode:
+        """The primary serving ``slot`` now (as the first running node sees it)."""
+        for v in self.view():
+            if v.primary and not v.failing and any(lo <= slot <= hi for lo, hi in v.slots):
+                return self.node_at(v.port)
+        raise LookupError(f"no running primary serves slot {slot}")
+
+    # -- failures -------------------------------------------------------------------------------
+
+    def kill_primary(self, pid: int) -> _ClusterNode:
+        """SIGKILL the primary whose process id is ``pid``: only a node this cluster started
+        (its own Popen is signalled, never a bare PID), and only while it is a primary.
+        Returns the node; :meth:`wait_for_failover` waits for a replica to replace it."""
+        node = next((n for n in self.nodes if n.pid is not None and n.pid == pid), None)
+        if node is None:
+            raise ValueError(f"PID {pid} is no running node of this cluster")
+        if node not in self.primaries():
+            raise ValueError(f"node {node.port} (PID {pid}) is not a primary serving slots")
+        self._orphans[node.port] = self.replicas_of(node)
+        node.kill()
+        return node
+
+    def wait_for_failover(self, dead: _ClusterNode, timeout: float = 30.0) -> _ClusterNode:
+        """Wait (at most ``timeout`` s) until a replica of the killed primary ``dead`` serves
+        its slots and every running node says cluster_state:ok with every slot served;
+        return the promoted node."""
+        if dead.running:
+            raise ValueError(f"node {dead.port} is still running")
+        candidates = self._orphans.get(dead.port)
+        if not candidates:
+            raise ValueError(f"node {dead.port} was not killed by kill_primary() or had no replica")
+        dead_id = self.node_ids[dead.port]
+        promoted: list[_ClusterNode] = []
+
+        def replaced() -> bool:
+            live = [n for n in self.nodes if n.running]
+            chosen: set[int] = set()
+            for node in live:
+                client = probe_client(node.host, node.port)
+                try:
+                    info = _as_text(_call(client, "CLUSTER", "INFO"))
+                finally:
+                    client.close()
+                fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+                if fields.get("cluster_state") != "ok":
+                    return False
+                if fields.get("cluster_slots_ok") != str(CLUSTER_SLOTS):
+                    return False
+                views = {v.id: v for v in self.view(node)}
+                if dead_id in views and views[dead_id].slots:
+                    return False  # still owns slots: not replaced yet in this node's view
+                new = [
+                    views[self.node_ids[c.port]]
+                    for c in candidates
+                    if self.node_ids[c.port] in views
+                ]
+                up = [v for v in new if v.primary and v.slots and not v.failing]
+                if len(up) != 1:
+                    return False
+                chosen.add(up[0].port)
+            if len(chosen) != 1:
+                return False
+            node = self.node_at(chosen.pop())
+            client = probe_client(node.host, node.port)
+            try:
+                if _as_text(_call(client, "ROLE")[0]) != "master":
+                    return False
+            finally:
+                client.close()
+            promoted[:] = [node]
+            return True
+
+        _wait_for(f"a replica of node {dead.port} to take over its slots", replaced, timeout)
+        return promoted[0]
 
     def client(self, **kw: Any) -> redis.cluster.RedisCluster:
         """A redis-py cluster client seeded with every node."""
