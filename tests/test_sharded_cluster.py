@@ -15,6 +15,7 @@ over (about a second here), so every shard stalls in that window, whatever the p
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
 import time
@@ -25,6 +26,7 @@ import pytest
 import redis
 from redis.crc import key_slot
 
+from redis_router.aio_sharded import AsyncShardedLoadBalancer
 from redis_router.errors import RedisUnavailable
 from redis_router.local_server import ServerBinary, find_server_binaries
 from redis_router.sharded import ShardedLoadBalancer
@@ -142,6 +144,35 @@ def test_shards_spread_over_the_primaries_and_route(cluster: LocalCluster) -> No
         assert lb.destroy() > 0
     for balancer in [*lb.shard_names, name]:
         assert all(not keys for keys in _keys_by_primary(cluster, balancer).values())
+
+
+def test_the_asyncio_pool_places_its_shards_and_routes_the_same(cluster: LocalCluster) -> None:
+    name = f"sa{next(_names)}"
+
+    async def main() -> tuple[list[str], dict[str, str], dict[str, str]]:
+        pool = AsyncShardedLoadBalancer(REPLICAS, shards=K, redis=cluster.url, name=name)
+        try:
+            leases = [await pool.acquire(f"s{i}") for i in range(30)]
+            placed = {lease.request_id: lease.server_id for lease in leases}
+            for lease in leases:
+                assert await lease.release()
+            with ShardedLoadBalancer(shards=K, redis=cluster.url, name=name) as other:
+                again = {rid: other.acquire_server(rid)[0] for rid in placed}
+                for rid, sid in again.items():
+                    other.release_server(sid, rid)
+            names = pool.shard_names
+            assert await pool.get_total_inflight() == 0
+            await pool.destroy()
+            return names, placed, again
+        finally:
+            await pool.close()
+
+    names, placed, again = asyncio.run(main())
+    assert names == _shard_names(cluster, name)
+    owners = [cluster.node_for_slot(slot_of(s)).port for s in names]
+    assert sorted(owners) == sorted(n.port for n in cluster.primaries())
+    assert set(placed.values()) == set(REPLICAS)
+    assert again == placed  # the sync pool, another process's view, finds every session
 
 
 @dataclass
