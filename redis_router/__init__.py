@@ -1,6 +1,7 @@
 """redis-router: one global load balancer for LLM inference replicas, shared through Redis."""
 
 from .aio import AsyncLease, AsyncRedisLoadBalancer, AsyncReleased
+from .aio_sharded import AsyncShardedLoadBalancer
 from .balancer import Lease, RedisLoadBalancer
 from .client import RouterClient
 from .engine import EngineLoad
@@ -24,6 +25,7 @@ from .options import Affinity, Ejection, Groups
 from .outbox import Released
 from .protocol import AsyncRequestLoadBalancer, RequestLoadBalancer
 from .scoring import EngineScoring
+from .sharded import ShardedLoadBalancer
 from .verl import VerlRouter
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "AsyncRedisLoadBalancer",
     "AsyncReleased",
     "AsyncRequestLoadBalancer",
+    "AsyncShardedLoadBalancer",
     "BalancerClosed",
     "ConfigMismatch",
     "CredentialsRefused",
@@ -53,6 +56,7 @@ __all__ = [
     "RequestLoadBalancer",
     "RouterClient",
     "RouterConfigError",
+    "ShardedLoadBalancer",
     "UnknownRedisHost",
     "VerlRouter",
     "get_router_handle",

@@ -35,12 +35,15 @@ class AsyncShardedLoadBalancer(ShardedBase):
         self,
         servers: Mapping[str, Any] | None = None,
         *,
-        shards: int,
+        shards: int | None = None,
         redis: Any = None,
         name: str = "default",
+        router_kwargs: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> None:
-        self._setup(shards, name)
+        redis, router_kwargs = self._setup(shards, name, redis, router_kwargs)
+        if router_kwargs:
+            options["router_kwargs"] = router_kwargs
         self._dir = AsyncRedisLoadBalancer(redis=redis, name=self.name, **options)
         self.url = self._dir.url
         self._attach(self._dir._core)

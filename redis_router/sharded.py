@@ -43,15 +43,19 @@ class ShardedLoadBalancer(ShardedBase):
         self,
         servers: Mapping[str, Any] | None = None,
         *,
-        shards: int,
+        shards: int | None = None,
         redis: Any = None,
         name: str = "default",
+        router_kwargs: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> None:
-        """``shards``: how many (2-256; the first process fixes it). ``name``: the pool's
-        (its directory's keys; shard i is the balancer ``<name>/shard-<n>``). Every other
-        option is :class:`~redis_router.RedisLoadBalancer`'s, given to each shard."""
-        self._setup(shards, name)
+        """``shards``: how many (2-256; the first process fixes it; also read from
+        ``router_kwargs``, as a YAML router config gives it). ``name``: the pool's (its
+        directory's keys; shard i is the balancer ``<name>/shard-<n>``). Every other option
+        is :class:`~redis_router.RedisLoadBalancer`'s, given to each shard."""
+        redis, router_kwargs = self._setup(shards, name, redis, router_kwargs)
+        if router_kwargs:
+            options["router_kwargs"] = router_kwargs
         # The directory's calls run through a balancer on the pool's own name: its keys are
         # the directory's, and it never acquires (so it never sends a heartbeat).
         self._dir = RedisLoadBalancer(redis=redis, name=self.name, **options)

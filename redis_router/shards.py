@@ -357,9 +357,28 @@ class ShardedBase:
     _homes: dict[str, int]  # replica id -> home shard, as this process last read them
     url: str
 
-    def _setup(self, shards: object, name: object) -> None:
+    def _setup(
+        self, shards: object, name: object, redis: Any, router_kwargs: Mapping[str, Any] | None
+    ) -> tuple[Any, dict[str, Any]]:
+        """Check the pool's own arguments, which a YAML router config gives in
+        ``router_kwargs``; returns the Redis to use and ``router_kwargs`` without them."""
+        rest = dict(router_kwargs or {})
+        for arg, value, unset in (("shards", shards, None), ("name", name, "default")):
+            if arg in rest and value != unset:
+                raise TypeError(f"option {arg!r} given both as an argument and in router_kwargs")
+        shards = rest.pop("shards", shards)
+        if shards is None:
+            raise TypeError(
+                "shards is required: how many shards the pool has (2-256), as shards=K or in "
+                "router_kwargs"
+            )
         self._k = shard_count(shards)
-        self.name = pool_name(name)
+        self.name = pool_name(rest.pop("name", name))
+        if "redis" in rest:
+            if redis is not None:
+                raise TypeError("option 'redis' given both as an argument and in router_kwargs")
+            redis = rest.pop("redis")
+        return redis, rest
 
     def _named(self, primaries: Sequence[Sequence[tuple[int, int]]]) -> list[str]:
         return shard_names(self.name, self._k, primaries)

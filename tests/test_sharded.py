@@ -497,3 +497,25 @@ def test_sessions_keep_their_replicas_while_the_pool_grows_under_running_workers
         stop.set()
         for pool in (admin, *workers):
             pool.close()
+
+
+def test_a_yaml_router_config_builds_a_sharded_pool(
+    server: LocalServer, r: redis.Redis, tmp_path: Any
+) -> None:
+    from redis_router import get_router_handle
+
+    path = tmp_path / "router.yaml"
+    path.write_text("router_class: redis_router.ShardedLoadBalancer\nshards: 3\nlease_ttl: 30\n")
+    name = f"sp{next(_names)}"
+    pool = get_router_handle(REPLICAS, str(path), redis=server.url, name=name)
+    try:
+        assert isinstance(pool, ShardedLoadBalancer)
+        assert len(pool.shard_names) == 3
+        assert pool.get_status()["lease_ttl"] == 30
+        sid, _ = pool.acquire_server("a")
+        assert pool.release_server(sid, "a")
+        check_directory(r, name, 3)
+    finally:
+        pool.close()
+    with pytest.raises(TypeError, match="shards is required"):
+        ShardedLoadBalancer(redis=server.url, name=name)
