@@ -1,38 +1,41 @@
-"""``python -m benchmarks.shard_nodes [--pairs N] [--rounds R] [--server-bin PATH]``
+"""``python -m benchmarks.shard_nodes [--pairs N] [--rounds R] [--turns T] [--server-bin PATH]``
 
-Whether a pool split over K hash tags spreads its Redis time over a Cluster's primaries, and
-what the tags must be for it to. A local Cluster of 3 primaries (no replicas); for K = 1, 3
-and 6, one balancer per shard over an equal share of 24 replicas, their names chosen two ways:
+Whether a sharded pool spreads its Redis time over a Cluster's primaries, and what it costs
+beyond an unsharded one. A local Cluster of 3 primaries (no replicas), 24 replicas; the
+pools, taking turns in each round:
 
-- ``spread``: each shard's name picked so that its hash tag's slot falls on the primaries in
-  turn (shard k on primary k mod 3), as a sharded pool would pick them;
-- ``numbered``: ``pool<K>.0``, ``pool<K>.1``, ...: wherever CRC16 puts them.
+- ``K = 1``: one :class:`~redis_router.RedisLoadBalancer` (one slot, so one primary);
+- ``K = 3``, ``K = 6``: a :class:`~redis_router.ShardedLoadBalancer` of K shards, whose names
+  the pool picks so that shard i's slot is on primary i mod 3, plus its directory's slot.
 
-One process sends ``pairs`` new-session acquire+release pairs per round, the shards in turn,
-``block`` pairs to a shard in a row (each shard's sessions are its own: what a sharded pool's
-placement spreads). Printed per K
-and layout: the Redis time per pair summed over the primaries (``INFO commandstats``: FCALL
-and EVALSHA), its ratio to K = 1's in the same round (median over rounds), and max/mean of the
-primaries' time (1.0: even; 3.0 for K = 1, which lives on one primary); then the primaries'
-process CPU per pair, summed (``INFO cpu``: scripts, network and the rest), and its ratio to
-K = 1's. Where the primaries share fewer cores than they are, a command's elapsed time grows
-when its process is preempted; the CPU column does not. What a sharded pool
-adds to this, one directory call per new session, is not included: there is no sharded
-balancer yet (docs/design.md, "One pool past one core").
+One process sends ``pairs`` acquire+release pairs per pool and round: sessions of ``turns``
+turns each (a new session asks the directory for its shard once; its later turns go to the
+shard it remembers), the pool's publisher thread running as it does in use. Printed per pool:
+where its slots are (shards per primary, and the directory's primary), the Redis time per pair
+summed over the primaries (``INFO commandstats``: FCALL and EVALSHA), its ratio to K = 1's in
+the same round (median over rounds), max/mean of the primaries' time (1.0: even; 3.0 for
+K = 1), the primaries' process CPU per pair, summed (``INFO cpu``), with its ratio, and the
+script calls per pair (what noise cannot move: a pair is 2, a new session's directory call
+adds 1/``turns``, the publisher a few per 0.1 s). Where
+the primaries share fewer cores than they are, a command's elapsed time grows when its process
+is preempted; the CPU column does not.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 import redis
-from redis.crc import key_slot
 
-from redis_router import RedisLoadBalancer
+from redis_router import RedisLoadBalancer, ShardedLoadBalancer
+from redis_router.local_server import LocalServer
+from redis_router.shards import slot_of
 
 from .__main__ import _binary
 
@@ -43,20 +46,8 @@ SHARDS = (1, 3, 6)
 
 def node_of(name: str, ranges: Sequence[tuple[int, int]]) -> int:
     """The primary whose slots hold balancer ``name``'s keys (one hash tag: ``{name}``)."""
-    slot = key_slot(f"rr:{{{name}}}:".encode())
+    slot = slot_of(name)
     return next(i for i, (lo, hi) in enumerate(ranges) if lo <= slot <= hi)
-
-
-def spread_names(prefix: str, k: int, ranges: Sequence[tuple[int, int]]) -> list[str]:
-    """K balancer names whose slots fall on the primaries in turn (shard i on primary i mod
-    the primaries): the first free ``<prefix>-<n>`` for each."""
-    names, n = [], 0
-    for i in range(k):
-        while node_of(f"{prefix}-{n}", ranges) != i % len(ranges):
-            n += 1
-        names.append(f"{prefix}-{n}")
-        n += 1
-    return names
 
 
 def cpu(nodes: Sequence[redis.Redis]) -> list[float]:
@@ -69,98 +60,116 @@ def cpu(nodes: Sequence[redis.Redis]) -> list[float]:
     return out
 
 
-def spent(nodes: Sequence[redis.Redis]) -> list[float]:
-    """µs each primary has spent in script calls so far."""
+def spent(nodes: Sequence[redis.Redis], field: str = "usec") -> list[float]:
+    """µs each primary has spent in script calls so far (``field="calls"``: how many)."""
     out = []
     for node in nodes:
         stats = node.info("commandstats")
         out.append(
-            float(sum(stats.get(f"cmdstat_{v}", {}).get("usec", 0) for v in ("fcall", "evalsha")))
+            float(sum(stats.get(f"cmdstat_{v}", {}).get(field, 0) for v in ("fcall", "evalsha")))
         )
     return out
 
 
+def make_pool(
+    k: int, servers: dict[str, str], url: str, ranges: Sequence[tuple[int, int]]
+) -> tuple[Any, tuple[list[int], int | None]]:
+    """A pool of K shards (K = 1: an unsharded balancer) with a fresh name, and where its
+    slots are: each shard's primary, the directory's."""
+    tag = uuid.uuid4().hex[:6]
+    if k == 1:
+        one = RedisLoadBalancer(servers, redis=url, name=f"one-{tag}")
+        return one, ([node_of(one.name, ranges)], None)
+    pool = ShardedLoadBalancer(servers, shards=k, redis=url, name=f"k{k}-{tag}")
+    return pool, ([node_of(n, ranges) for n in pool.shard_names], node_of(pool.name, ranges))
+
+
+def settle(pool: Any) -> None:
+    """Every release of the pool answered before the time is read."""
+    for lb in getattr(pool, "_shards", [pool]):
+        if lb._outbox is not None:
+            lb._outbox.drain()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.shard_nodes", description=__doc__)
-    ap.add_argument("--pairs", type=int, default=3000, help="pairs per layout and round")
+    ap.add_argument("--pairs", type=int, default=3000, help="pairs per pool and round")
     ap.add_argument("--rounds", type=int, default=5, help="rounds (default 5)")
+    ap.add_argument("--turns", type=int, default=1, help="turns per session (default 1)")
     ap.add_argument(
-        "--block", type=int, default=1, help="pairs sent to one shard in a row (default 1)"
+        "--one-server",
+        action="store_true",
+        help="every pool on one server (no Cluster): the pools' own cost, without the cost of "
+        "spreading calls over processes that share the machine's cores",
     )
     ap.add_argument("--server-bin", help="redis-server / valkey-server to start (7+)")
     args = ap.parse_args(argv)
     binary = _binary(args.server_bin)
     from tests.servers import LocalCluster  # the test suite's local Cluster (a checkout only)
 
-    with LocalCluster(binary, masters=PRIMARIES) as cluster:
-        ranges = cluster.slot_ranges()
-        nodes = [n.client() for n in cluster.nodes]
-        layouts: dict[tuple[int, str], list[RedisLoadBalancer]] = {}
-        for k in SHARDS:
-            for layout in ("spread", "numbered"):
-                if k == 1 and layout == "numbered":
-                    continue
-                names = (
-                    spread_names(f"spread{k}", k, ranges)
-                    if layout == "spread"
-                    else [f"pool{k}.{i}" for i in range(k)]
-                )
-                per = REPLICAS // k
-                layouts[(k, layout)] = [
-                    RedisLoadBalancer(
-                        {f"r{j}": f"http://h{j}" for j in range(i * per, (i + 1) * per)},
-                        redis=cluster.url,
-                        name=name,
-                    )
-                    for i, name in enumerate(names)
-                ]
-        where = {key: [node_of(lb.name, ranges) for lb in lbs] for key, lbs in layouts.items()}
-        for lbs in layouts.values():  # warm: scripts loaded, holders known
-            for lb in lbs:
-                lb.release_server(lb.acquire_server("warm")[0], "warm")
-        per_pair: dict[tuple[int, str], list[float]] = {key: [] for key in layouts}
-        skew: dict[tuple[int, str], list[float]] = {key: [] for key in layouts}
-        cpu_pair: dict[tuple[int, str], list[float]] = {key: [] for key in layouts}
+    servers = {f"r{j}": f"http://h{j}" for j in range(REPLICAS)}
+    with contextlib.ExitStack() as stack:
+        if args.one_server:
+            server = stack.enter_context(LocalServer(binary))
+            ranges, url, nodes = [(0, 16383)], server.url, [server.client()]
+        else:
+            cluster = stack.enter_context(LocalCluster(binary, masters=PRIMARIES))
+            ranges, url = cluster.slot_ranges(), cluster.url
+            nodes = [n.client() for n in cluster.nodes]
+        where: dict[int, tuple[list[int], int | None]] = {}
+        per_pair: dict[int, list[float]] = {k: [] for k in SHARDS}
+        skew: dict[int, list[float]] = {k: [] for k in SHARDS}
+        cpu_pair: dict[int, list[float]] = {k: [] for k in SHARDS}
+        calls_pair: dict[int, list[float]] = {k: [] for k in SHARDS}
         for _ in range(args.rounds):
-            for key, lbs in layouts.items():
-                before, cpu_before = spent(nodes), cpu(nodes)
-                for p in range(args.pairs):
-                    lb = lbs[p // args.block % len(lbs)]
-                    rid = uuid.uuid4().hex
-                    lb.release_server(lb.acquire_server(rid)[0], rid)
-                for lb in lbs:  # every release answered before the time is read
-                    if lb._outbox is not None:
-                        lb._outbox.drain()
-                used = [a - b for a, b in zip(spent(nodes), before, strict=True)]
-                burnt = [a - b for a, b in zip(cpu(nodes), cpu_before, strict=True)]
-                cpu_pair[key].append(sum(burnt) / args.pairs)
-                per_pair[key].append(sum(used) / args.pairs)
-                skew[key].append(max(used) / (sum(used) / len(used)))
-        for lbs in layouts.values():
-            for lb in lbs:
-                lb.destroy()
-                lb.close()
-    base = per_pair[(1, "spread")]
+            for k in SHARDS:  # one pool at a time: no other pool's publisher meanwhile
+                pool, where[k] = make_pool(k, servers, url, ranges)
+                try:
+                    for i in range(12):  # warm: scripts loaded, holders known
+                        pool.release_server(pool.acquire_server(f"warm{i}")[0], f"warm{i}")
+                    settle(pool)
+                    before, cpu_before = spent(nodes), cpu(nodes)
+                    calls_before = spent(nodes, "calls")
+                    rid = ""
+                    for p in range(args.pairs):
+                        if p % args.turns == 0:
+                            rid = uuid.uuid4().hex
+                        pool.release_server(pool.acquire_server(rid)[0], rid)
+                    settle(pool)
+                    used = [a - b for a, b in zip(spent(nodes), before, strict=True)]
+                    burnt = [a - b for a, b in zip(cpu(nodes), cpu_before, strict=True)]
+                    calls = sum(spent(nodes, "calls")) - sum(calls_before)
+                finally:
+                    pool.destroy()
+                    pool.close()
+                cpu_pair[k].append(sum(burnt) / args.pairs)
+                calls_pair[k].append(calls / args.pairs)
+                per_pair[k].append(sum(used) / args.pairs)
+                skew[k].append(max(used) / (sum(used) / len(used)))
+    base = per_pair[1]
+    where_ = "one server" if args.one_server else f"a local Cluster of {PRIMARIES} primaries"
     print(
-        f"{binary.label}, a local Cluster of {PRIMARIES} primaries; {REPLICAS} replicas split over "
-        f"K shards; {args.pairs} pairs per layout and round, {args.block} in a row to a shard, "
+        f"{binary.label}, {where_}; {REPLICAS} replicas; "
+        f"{args.pairs} pairs per pool and round, sessions of {args.turns} turn(s), "
         f"{args.rounds} rounds, medians"
     )
     print(
-        f"{'K':>2s} {'layout':9s} {'shards per primary':>18s} {'us/pair, all':>13s} "
-        f"{'x K=1':>6s} {'max/mean':>9s} {'CPU us/pair, all':>17s} {'x K=1':>6s}"
+        f"{'K':>2s} {'shards per primary':>18s} {'directory':>9s} {'us/pair, all':>13s} "
+        f"{'x K=1':>6s} {'max/mean':>9s} {'CPU us/pair, all':>17s} {'x K=1':>6s} "
+        f"{'calls/pair':>10s}"
     )
-    for (k, layout), values in per_pair.items():
-        counts = [where[(k, layout)].count(i) for i in range(PRIMARIES)]
+    for k, values in per_pair.items():
+        shards, directory = where[k]
+        counts = [shards.count(i) for i in range(len(nodes))]
         ratio = statistics.median(v / b for v, b in zip(values, base, strict=True))
-        burnt = cpu_pair[(k, layout)]
-        cpu_ratio = statistics.median(
-            v / b for v, b in zip(burnt, cpu_pair[(1, "spread")], strict=True)
-        )
+        burnt = cpu_pair[k]
+        cpu_ratio = statistics.median(v / b for v, b in zip(burnt, cpu_pair[1], strict=True))
         print(
-            f"{k:2d} {layout:9s} {counts!s:>18s} {statistics.median(values):13.1f} "
-            f"{ratio:6.2f} {statistics.median(skew[(k, layout)]):9.2f} "
-            f"{statistics.median(burnt):17.1f} {cpu_ratio:6.2f}"
+            f"{k:2d} {str(counts).replace(' ', ''):>18s} "
+            f"{'-' if directory is None else directory:>9} {statistics.median(values):13.1f} "
+            f"{ratio:6.2f} {statistics.median(skew[k]):9.2f} "
+            f"{statistics.median(burnt):17.1f} {cpu_ratio:6.2f} "
+            f"{statistics.median(calls_pair[k]):10.2f}"
         )
     return 0
 

@@ -1,65 +1,77 @@
 -- shard_place.lua: the shard of each session (or GRPO group): where it went, else a new one.
 -- KEYS[1]  the directory's key prefix "rr:{NAME}:"
--- ARGV[1]  bucket width (ms)    ARGV[2]  record ttl (ms)    ARGV[3]  buckets to search back
---          ARGV[4]  shards to avoid, joined by SEP ("" = none)    ARGV[5..] session (or
---          group) ids
+-- ARGV[1]  shards to avoid, joined by SEP ("" = none)    ARGV[2..] session (or group) ids
 -- Returns  each id's shard (0-based) in order; -1 where no shard has a replica.
--- Keeps    D1; D2: a session's record is in exactly one bucket, moved to the newest on each
---          lookup, so it lives ttl after the last one. A new session goes to the shard with
---          the fewest requests per replica by its last published in-flight total plus the
---          sessions placed there since (new:<s>): the count moves with each placement, so a
---          burst spreads over the shards instead of herding onto the one that looked best.
+-- Keeps    D1; D2: a session's record is in exactly one generation, `placed` (since the last
+--          rotation, which shard_totals makes) or `placed:old` (the one before); a lookup
+--          moves it to `placed`, and a rotation drops `placed:old`, so a record lives at least
+--          a generation after its last lookup (about two, while the pool routes). A new
+--          session goes to the shard with the fewest requests per replica by its last
+--          published in-flight total plus the sessions placed there since (new:<s>): the count
+--          moves with each placement, so a burst spreads over the shards instead of herding
+--          onto the one that looked best.
 --          Safe to resend: a second copy finds the records written (and counts nothing).
+-- Why      A known session's lookup is one HGET and writes nothing; a new one's is five
+--          commands. Shards are read from P.."shards" (a shard without replicas, or not yet
+--          in the layout, has no n:<s> there), so the call reads nothing else.
 -- Uses     lib/base
-local width, ttl, span = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local k = tonumber(redis.call('HGET', P .. 'layout', 'shards') or '0')
-local now = now_ms()
-local cur = math.floor(now / width)
-local lo = math.max(cur - span, math.floor((now - ttl) / width))
+local NEW, OLD = P .. 'placed', P .. 'placed:old'
 local avoid = {}
-for s in string.gmatch(ARGV[4], '[^' .. SEP .. ']+') do avoid[tonumber(s)] = true end
-local got = {}
-local stats = redis.call('HGETALL', P .. 'shards')
-for i = 1, #stats, 2 do got[stats[i]] = tonumber(stats[i + 1]) end
-local load, size = {}, {}
-for s = 0, k - 1 do
-  size[s] = got['n:' .. s] or 0
-  load[s] = (got['in:' .. s] or 0) + (got['new:' .. s] or 0)
+if ARGV[1] ~= '' then
+  for s in string.gmatch(ARGV[1], '[^' .. SEP .. ']+') do avoid[s] = true end
 end
-local newest = P .. 'placed:' .. int(cur)
-local out, placed, moved = {}, {}, false
-for i = 5, #ARGV do
-  local id, home = ARGV[i], nil
-  for b = cur, lo, -1 do
-    local key = P .. 'placed:' .. int(b)
-    local s = redis.call('HGET', key, id)
-    if s then
-      home = tonumber(s)
-      if b ~= cur then redis.call('HDEL', key, id) end
-      break
-    end
-  end
-  if home and avoid[home] then home = nil end
-  if not home then
-    local best, score = -1, nil
-    for s = 0, k - 1 do
-      if size[s] > 0 and not avoid[s] then
-        local per = load[s] / size[s]
-        if not score or per < score then best, score = s, per end
+local load, size, shards = nil, {}, {}
+local out, placed = {}, {}
+-- The shard for a session without a record: the fewest requests per replica (stats read once
+-- per call, and only when some session needs placing).
+local function choose()
+  if not load then
+    load = {}
+    local got = {}
+    local stats = redis.call('HGETALL', P .. 'shards')
+    for j = 1, #stats, 2 do got[stats[j]] = stats[j + 1] end
+    for field, n in pairs(got) do
+      if string.sub(field, 1, 2) == 'n:' and n ~= '0' then
+        local s = string.sub(field, 3)
+        shards[#shards + 1] = s
+        load[s] = (tonumber(got['in:' .. s]) or 0) + (tonumber(got['new:' .. s]) or 0)
+        load[s] = load[s] / tonumber(n) -- requests per replica
+        size[s] = tonumber(n)
       end
     end
-    if best >= 0 then
-      load[best] = load[best] + 1
-      placed[best] = (placed[best] or 0) + 1
-    end
-    home = best
   end
-  out[#out + 1] = home
-  if home >= 0 then
-    redis.call('HSET', newest, id, home)
-    moved = true
+  local best, score = nil, nil
+  for _, s in ipairs(shards) do
+    if not avoid[s] then
+      local per = load[s]
+      if not score or per < score or (per == score and tonumber(s) < tonumber(best)) then
+        best, score = s, per
+      end
+    end
+  end
+  if not best then return -1 end
+  load[best] = load[best] + 1 / size[best]
+  placed[best] = (placed[best] or 0) + 1
+  return tonumber(best)
+end
+for i = 2, #ARGV do
+  local id = ARGV[i]
+  local where = NEW
+  local home = redis.call('HGET', NEW, id)
+  if not home then
+    where = OLD
+    home = redis.call('HGET', OLD, id)
+    if home then redis.call('HDEL', OLD, id) end
+  end
+  if home and avoid[home] then home = nil end -- its shard refused it: placed anew
+  if home then
+    if where == OLD then redis.call('HSET', NEW, id, home) end
+    out[#out + 1] = tonumber(home)
+  else
+    home = choose()
+    if home >= 0 then redis.call('HSET', NEW, id, home) end
+    out[#out + 1] = home
   end
 end
-if moved then redis.call('PEXPIREAT', newest, (cur + 1) * width + ttl) end
 for s, c in pairs(placed) do redis.call('HINCRBY', P .. 'shards', 'new:' .. s, c) end
 return out

@@ -232,7 +232,8 @@ REGISTRY: tuple[Key, ...] = (
     Key(
         "layout",
         "hash",
-        "`shards` → the shard count, `names` → the shards' balancer names (JSON list)",
+        "`shards` → the shard count, `names` → the shards' balancer names (JSON list), `gen` "
+        "→ when the sessions' records last rotated (D2)",
     ),
     Key("homes", "hash", "replica id → `shard capacity`: the shard it is registered on"),
     Key(
@@ -242,10 +243,15 @@ REGISTRY: tuple[Key, ...] = (
         "`new:<s>` sessions placed since, `at:<s>` when that total was claimed (D1)",
     ),
     Key(
-        "placed:<b>",
+        "placed",
         "hash",
-        "session or group id → its shard, last looked up in time bucket b (expires; D2)",
-        "buckets",
+        "session or group id → its shard: looked up since the generation began (`layout`'s "
+        "`gen`; D2)",
+    ),
+    Key(
+        "placed:old",
+        "hash",
+        "the generation before `placed`, dropped at the next rotation (one sticky ttl)",
     ),
     # -- kept by earlier versions; read during an upgrade, deleted by destroy -------------
     Key("released", "set", "remembered releases of earlier clients", part="earlier"),

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 from redis.crc import key_slot
 
 from . import dp, health, validation
-from .core import SEP, STICKY_BUCKETS, Call, Op, fields_per_request
+from .core import SEP, Call, Op, fields_per_request
 from .errors import ConfigMismatch, NoServersAvailable
 from .scripts import load
 
@@ -135,18 +135,21 @@ def capacities(servers: Mapping[str, Any], capacity: Mapping[str, int] | None) -
 @dataclass
 class Directory:
     """The directory's operations (each yields its one call): the layout, replicas' homes,
-    sessions' shards, shards' published totals."""
+    sessions' shards, shards' published totals. Run by a balancer on the pool's own name,
+    whose keys are the directory's."""
 
     name: str
-    sticky_ms: int
-    width_ms: int
-    span: int
+    sticky_ms: int  # a generation of sessions' records: they live one to two after a lookup
 
     @classmethod
     def of(cls, name: str, sticky_ttl: float) -> Directory:
-        sticky_ms = int(sticky_ttl * 1000)
-        width = -(-sticky_ms // STICKY_BUCKETS)
-        return cls(name, sticky_ms, width, -(-sticky_ms // width))
+        return cls(name, int(sticky_ttl * 1000))
+
+    @property
+    def fresh_for(self) -> float:
+        """Seconds a process uses a session's shard without asking again: a quarter of a
+        generation, so the record it keeps alive by asking never lapses meanwhile."""
+        return self.sticky_ms / 4000
 
     def _call(self, script: str, args: Iterable[Any]) -> Call:
         return Call(load(script), tuple(args))
@@ -200,15 +203,16 @@ class Directory:
         """Each key's shard (a session id or a group id): the recorded one, else the shard
         with the fewest requests per replica; ``avoid``: shards not to choose (a recorded one
         there is placed anew)."""
-        head = (self.width_ms, self.sticky_ms, self.span, SEP.join(map(str, avoid)))
-        got = yield self._call("shard_place", (*head, *keys))
+        got = yield self._call("shard_place", (SEP.join(map(str, avoid)), *keys))
         return [int(s) for s in got]
 
     def totals(self, published: Mapping[int, int]) -> Op[list[int]]:
-        """Publish shards' totals; returns the shards now due, claimed by this process."""
+        """Publish shards' totals; returns the shards now due, claimed by this process. Also
+        rotates the sessions' records once a generation (D2)."""
         args = [x for s, n in published.items() for x in (s, n)]
         period = int(PUBLISH_EVERY * 1000)
-        return [int(s) for s in (yield self._call("shard_totals", (period, *args)))]
+        head = (period, self.sticky_ms)
+        return [int(s) for s in (yield self._call("shard_totals", (*head, *args)))]
 
 
 def _text(value: Any) -> str:
@@ -398,7 +402,7 @@ class ShardedBase:
         """Take the directory balancer's core: the options every shard shares."""
         self._core = core
         self._directory = Directory.of(self.name, core.sticky_ttl)
-        self._sessions = Remembered(self._directory.width_ms / 1000)
+        self._sessions = Remembered(self._directory.fresh_for)
         self._homes = {}
 
     @property
