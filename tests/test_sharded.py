@@ -439,6 +439,38 @@ def test_growing_the_pool_keeps_every_placed_session_on_its_replica(
     assert check_shards(r, pool) == 40
 
 
+@both
+def test_a_replica_moves_to_a_new_shard_and_only_its_sessions_are_placed_again(
+    make_pool: Callable[..., Any], r: redis.Redis
+) -> None:
+    pool = make_pool({f"a{i}": "u" for i in range(8)}, shards=2)
+    other = make_pool(shards=2, name=pool.name)
+    where = {f"s{i}": pool.acquire_server(f"s{i}")[0] for i in range(48)}
+    for rid, sid in where.items():
+        pool.release_server(sid, rid)
+    old_home = dict(pool._homes)  # replica -> its shard, as this process read them
+    pool.grow(4)
+    # The documented move: drain, wait until idle (nothing in flight here), remove, add again:
+    # a replica added goes to the emptiest shard, here the two new ones.
+    moved = ["a0", "a1"]
+    pool.drain_servers(moved)
+    assert all(pool.get_inflight_count(sid) == 0 for sid in moved)
+    assert pool.remove_servers(moved) == 2
+    pool.add_servers(dict.fromkeys(moved, "u"))
+    placing = pool.get_status()["placement"]
+    assert [p["replicas"] for p in placing] == [3, 3, 1, 1]
+    assert sorted(pool._home(sid) for sid in moved) == [2, 3]
+    for rid, sid in where.items():
+        got = other.acquire_server(rid)[0]
+        if sid in moved:  # placed again inside its old shard, on a replica still there
+            assert got not in moved and old_home[got] == old_home[sid], (rid, sid, got)
+        else:
+            assert got == sid, (rid, sid, got)
+        other.release_server(got, rid)
+    check_directory(r, pool.name, 4)
+    assert check_shards(r, pool) == 0
+
+
 def test_sessions_keep_their_replicas_while_the_pool_grows_under_running_workers(
     server: LocalServer, r: redis.Redis
 ) -> None:
