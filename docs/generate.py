@@ -150,7 +150,9 @@ def rollout(url: str) -> Iterator[None]:
                 assert time.monotonic() < deadline, "the dead worker's leases never expired"
                 time.sleep(0.05)
             time.sleep(0.2)  # heard past its deadline: dead, not on probation, from now on
-        yield
+            # The commands run while a living process is heard: each starts a Python process,
+            # and on a slow machine a second without any heartbeat looks like a pause of Redis.
+            yield
     finally:
         lb.close()
 
