@@ -1,4 +1,5 @@
-"""The synchronous sharded pool: :class:`ShardedLoadBalancer`, K balancers as one."""
+"""The synchronous sharded pool: :class:`ShardedLoadBalancer`, K balancers as one. It runs
+:mod:`redis_router.sharded_base`'s operations, blocking."""
 
 from __future__ import annotations
 
@@ -9,25 +10,19 @@ from typing import Any
 
 from redis import exceptions as rx
 
-from . import keeper, validation
+from . import keeper
 from .balancer import Lease, RedisLoadBalancer
-from .core import Op, T
-from .errors import NoServersAvailable, ReplicaEjected
+from .core import Steps
+from .errors import NoServersAvailable
 from .outbox import Released
-from .shards import (
-    PUBLISH_EVERY,
-    Layout,
-    ShardedBase,
-    cluster_primaries,
-    more_names,
-    shard_count,
-)
+from .sharded_base import OnDirectory, OnShard, ShardedBase, ShardedOp, ShardStep, T
+from .shards import PUBLISH_EVERY, cluster_primaries
 
 
 class ShardedLoadBalancer(ShardedBase):
     """One pool of replicas over ``shards`` balancers, so over as many Redis Cluster slots
     (spread over the primaries): a pool past one Redis core. Every process that constructs
-    it with the same Redis, ``name`` and ``shards`` shares it.
+    it with the same Redis and ``name`` shares it.
 
     A replica is registered on one shard (its home: the emptiest by count, then capacity);
     each shard routes exactly inside itself (least loaded, sticky sessions, leases,
@@ -60,90 +55,50 @@ class ShardedLoadBalancer(ShardedBase):
         # the directory's, and it never acquires (so it never sends a heartbeat).
         self._dir = RedisLoadBalancer(redis=redis, name=self.name, **options)
         self.url = self._dir.url
-        self._attach(self._dir._core)
         self._options = {k: v for k, v in options.items() if k not in self._dir._client_options}
-        self._shards = []
-        self._extend(self._layout())
+        self._attach(self._dir._core)
         self._publisher: keeper.ThreadKeeper | None = None
+        self._drive(self._join())
         if servers:
             self.add_servers(servers)
 
-    def _layout(self) -> Layout:
-        layout = self._run(self._directory.layout())
-        if not layout.names:
-            names = self._named(self._primaries())
-            try:
-                layout = self._run(self._directory.layout("create", names))
-            except rx.ResponseError as exc:
-                raise self._directory.refused(exc) from None
-        return self._joined(layout)
+    # -- driving the operations ------------------------------------------------------------
 
-    def _primaries(self) -> list[list[tuple[int, int]]]:
+    def _drive(self, op: ShardedOp[T]) -> T:
+        with Steps(op) as steps:
+            for step in steps:
+                try:
+                    steps.reply = self._step(step)
+                except BaseException as exc:
+                    steps.error = exc
+            return steps.result
+
+    def _step(self, step: ShardStep) -> Any:
+        if isinstance(step, OnShard):
+            return getattr(self._shards[step.shard], step.method)(*step.args, **step.kwargs)
+        if isinstance(step, OnDirectory):
+            return self._dir._run(step.op)
         client = self._dir._client
-        return cluster_primaries(client.cluster_slots()) if _is_cluster(client) else []
+        if hasattr(client, "cluster_slots") and hasattr(client, "nodes_manager"):
+            return cluster_primaries(client.cluster_slots())
+        return []
 
-    def _extend(self, layout: Layout) -> None:
-        """Make balancers for the layout's shards this process lacks (all, at first; the new
-        ones after the pool grew), and take its replicas' homes."""
-        for n in layout.names[len(self._shards) :]:
-            self._shards.append(RedisLoadBalancer(redis=self._dir._client, name=n, **self._options))
-        self._k = len(self._shards)
-        self._homes = dict(layout.homes)
+    def _shard(self, name: str) -> RedisLoadBalancer:
+        return RedisLoadBalancer(redis=self._dir._client, name=name, **self._options)
 
-    def _refresh(self) -> None:
-        """Read the layout again: replicas added by other processes, shards added by grow()."""
-        self._extend(self._joined(self._run(self._directory.layout())))
+    def _publish_from_now(self) -> None:
+        if self._publisher is None:
+            ref = weakref.ref(self)
+            self._publisher = keeper.ThreadKeeper(lambda: _publish(ref), PUBLISH_EVERY)
 
     def grow(self, shards: int) -> list[str]:
         """Grow the pool to ``shards`` shards, for every process (docs/sharding.md): the new
         shards start empty; replicas added from now on fill them first (homes go to the
         emptiest shard), and new sessions go to them as soon as they have replicas. Sessions
         already placed keep their shard. Returns the shards' names."""
-        k = shard_count(shards)
-        self._refresh()
-        if k < self._k:
-            raise ValueError(f"shards: a pool only grows; it has {self._k}, got {k}")
-        if k > self._k:
-            names = more_names(self.name, self.shard_names, k, self._primaries())
-            try:
-                self._extend(self._run(self._directory.layout("grow", names)))
-            except rx.ResponseError as exc:
-                raise self._directory.refused(exc) from None
-        return self.shard_names
-
-    def _run(self, op: Op[T]) -> T:
-        return self._dir._run(op)
+        return self._drive(self._grow(shards))
 
     # -- routing ---------------------------------------------------------------------------
-
-    def _shard_of(self, keys: list[str], avoid: tuple[int, ...] = ()) -> list[int]:
-        missing = self._unplaced(keys, avoid)
-        if missing:
-            placed = self._run(self._directory.place(missing, avoid))
-            if max(placed) >= len(self._shards):  # the pool grew since this process looked
-                self._refresh()
-            self._remember(missing, placed)
-        self._publish_from_now()
-        return self._placed(keys)
-
-    def _routed(
-        self, request_id: str, fields: Mapping[str, Any], wait: float | None, call: Any
-    ) -> Any:
-        """Run ``call(shard, wait)`` on the request's shard. A session its shard cannot take
-        (every replica there draining, full or excluded) is placed on another, each shard
-        once; only the first waits (``wait``), the others answer at once."""
-        key = self._key(request_id, fields)
-        avoid: tuple[int, ...] = ()
-        while True:
-            shard = self._shard_of([key], avoid)[0]
-            try:
-                return self._granted(shard, call(self._shards[shard], wait if not avoid else 0.0))
-            except ReplicaEjected:  # the session is kept on its replica: it does not move
-                raise
-            except NoServersAvailable:
-                avoid = (*avoid, shard)
-                if len(avoid) >= self._k:
-                    raise
 
     def acquire_server(
         self,
@@ -153,14 +108,10 @@ class ShardedLoadBalancer(ShardedBase):
         exclude: Collection[str] | None = None,
         **fields: Any,
     ) -> tuple[str, Any]:
-        """As :meth:`RedisLoadBalancer.acquire_server`, on the session's shard."""
-        self._check(request_id, fields, exclude)
-        return self._routed(  # type: ignore[no-any-return]
-            request_id,
-            fields,
-            wait,
-            lambda b, w: b.acquire_server(request_id, wait=w, exclude=exclude, **fields),
-        )
+        """As :meth:`RedisLoadBalancer.acquire_server`, on the session's shard (a new
+        session its shard cannot take goes to another)."""
+        op = self._routed("acquire_server", request_id, fields, wait=wait, exclude=exclude)
+        return self._drive(op)  # type: ignore[no-any-return]
 
     def acquire(
         self,
@@ -172,13 +123,8 @@ class ShardedLoadBalancer(ShardedBase):
         **fields: Any,
     ) -> Lease:
         """As :meth:`RedisLoadBalancer.acquire`; the lease ends on its shard."""
-        self._check(request_id, fields, exclude, token)
-        return self._routed(  # type: ignore[no-any-return]
-            request_id,
-            fields,
-            wait,
-            lambda b, w: b.acquire(request_id, token=token, wait=w, exclude=exclude, **fields),
-        )
+        op = self._routed("acquire", request_id, fields, token=token, wait=wait, exclude=exclude)
+        return self._drive(op)  # type: ignore[no-any-return]
 
     @contextmanager
     def lease(
@@ -192,12 +138,11 @@ class ShardedLoadBalancer(ShardedBase):
     ) -> Iterator[Lease]:
         """As :meth:`RedisLoadBalancer.lease`."""
         self._check(request_id, fields, exclude)
-        key = self._key(request_id, fields)
-        shard = self._shards[self._shard_of([key])[0]]
+        shard = self._shards[self._drive(self._shard_of([self._key(request_id, fields)]))[0]]
         with shard.lease(
             request_id, renew_every=renew_every, wait=wait, exclude=exclude, **fields
         ) as held:
-            yield held
+            yield self._granted(self._shards.index(shard), held)
 
     def acquire_many(
         self, request_ids: list[str], *, wait: float | None = None, **fields: Any
@@ -206,23 +151,7 @@ class ShardedLoadBalancer(ShardedBase):
         sessions, then one call per shard it touches. If a shard refuses its part, the parts
         already granted are released and the error raised: the batch is granted whole or
         not at all."""
-        rids, per = self._check_many(request_ids, fields)
-        shards = self._shard_of([self._key(r, f) for r, f in zip(rids, per, strict=True)])
-        out: list[tuple[str, Any] | None] = [None] * len(rids)
-        granted: list[tuple[RedisLoadBalancer, str, str]] = []
-        try:
-            for shard, idx in self._by_shard(shards).items():
-                b = self._shards[shard]
-                part = [rids[i] for i in idx]
-                got = b.acquire_many(part, wait=wait, **self._fields_of(per, idx, fields))
-                for i, grant in zip(idx, got, strict=True):
-                    out[i] = self._granted(shard, grant)
-                    granted.append((b, grant[0], rids[i]))
-        except BaseException:
-            for b, sid, rid in granted:
-                b.release_server(sid, rid)
-            raise
-        return [g for g in out if g is not None]
+        return self._drive(self._acquire_many(request_ids, wait, fields))
 
     def release_server(
         self,
@@ -233,7 +162,7 @@ class ShardedLoadBalancer(ShardedBase):
         **fields: Any,
     ) -> Released[bool]:
         """As :meth:`RedisLoadBalancer.release_server`, on the replica's shard."""
-        b = self._shards[next(iter(self._homes_of([server_id])))]
+        b = self._shards[next(iter(self._drive(self._homes_of([server_id]))))]
         return b.release_server(server_id, request_id, failed=failed, **fields)
 
     # -- the pool --------------------------------------------------------------------------
@@ -243,92 +172,53 @@ class ShardedLoadBalancer(ShardedBase):
     ) -> int:
         """Register replicas, each on its home shard (a new one: the emptiest by count,
         then capacity). Returns how many are new."""
-        caps = self._capacities(servers, capacity)
-        homes = self._run(self._directory.assign(caps))
-        self._homes.update(homes)
-        added = 0
-        for shard, part in self._split_servers(servers, capacity, homes).items():
-            added += self._shards[shard].add_servers(part[0], capacity=part[1])
-        return added
+        return self._drive(self._add(servers, capacity))
 
     def remove_servers(self, server_ids: list[str]) -> int:
         """Take replicas out of their shards, then out of the directory."""
-        removed = sum(
-            self._shards[s].remove_servers(ids) for s, ids in self._homes_of(server_ids).items()
-        )
-        self._run(self._directory.unassign(self._whole(server_ids)))
-        return removed
+        return self._drive(self._remove(server_ids))
 
     def drain_servers(self, server_ids: list[str]) -> int:
-        """As :meth:`RedisLoadBalancer.drain_servers`."""
-        return sum(
-            self._shards[s].drain_servers(ids) for s, ids in self._homes_of(server_ids).items()
-        )
+        return self._drive(self._per_home("drain_servers", server_ids))
 
     def undrain_servers(self, server_ids: list[str]) -> int:
-        return sum(
-            self._shards[s].undrain_servers(ids) for s, ids in self._homes_of(server_ids).items()
-        )
+        return self._drive(self._per_home("undrain_servers", server_ids))
 
     def get_all_servers(self) -> list[str]:
-        return sorted(sid for b in self._shards for sid in b.get_all_servers())
+        return self._drive(self._all_servers())
 
     def get_inflight_count(self, server_id: str) -> int:
-        return self._shards[next(iter(self._homes_of([server_id])))].get_inflight_count(server_id)
+        return self._drive(self._inflight(server_id))
 
     def get_total_inflight(self) -> int:
-        return sum(b.get_total_inflight() for b in self._shards)
+        return self._drive(self._total())
 
     def report_engine_load(self, loads: Mapping[str, Any]) -> int:
-        return sum(
-            self._shards[s].report_engine_load({sid: loads[sid] for sid in ids})
-            for s, ids in self._homes_of(list(loads)).items()
-        )
+        return self._drive(self._report(loads))
 
     def get_status(self) -> dict[str, Any]:
         """The pool as one (replicas, totals) with each shard's own under ``shards`` and the
         directory's per-shard view under ``placement``."""
-        found = [b.get_status() for b in self._shards]
-        return self._status(found, self._run(self._directory.stats()))
+        return self._drive(self._status())
 
     def request_owner(self, request_id: str) -> str | None:
-        b: RedisLoadBalancer
-        for b in self._in_turn(request_id):
-            owner = b.request_owner(request_id)
-            if owner is not None:
-                return owner
-        return None
+        return self._drive(self._owner(request_id))
 
     def end_session(self, *request_ids: str) -> int:
-        return sum(b.end_session(*request_ids) for b in self._shards)
+        return self._drive(self._sum_each("end_session", *request_ids))
 
     def bump_weight_version(self, *, sticky: bool = False) -> dict[str, int]:
-        return self._bumped([b.bump_weight_version(sticky=sticky) for b in self._shards])
+        return self._drive(self._bump(sticky))
 
     def clear_sticky_cache(self) -> dict[str, Any]:
-        return self._cleared([b.clear_sticky_cache() for b in self._shards])
+        return self._drive(self._clear())
 
     def reap(self) -> int:
-        return sum(b.reap() for b in self._shards)
+        return self._drive(self._sum_each("reap"))
 
     def destroy(self) -> int:
         """Delete every key of the pool: each shard's, then the directory's."""
-        n = sum(b.destroy() for b in self._shards) + self._dir.destroy()
-        self._forget_all()
-        return n
-
-    # -- the directory's totals ------------------------------------------------------------
-
-    def _publish_from_now(self) -> None:
-        if self._publisher is None:
-            ref = weakref.ref(self)
-            self._publisher = keeper.ThreadKeeper(lambda: _publish(ref), PUBLISH_EVERY)
-
-    def _homes_of(self, server_ids: list[str]) -> dict[int, list[str]]:
-        """``server_ids`` by home shard; an id this process has not seen reads the homes."""
-        if any(not self._known(s) for s in validation.server_ids(server_ids)):
-            self._refresh()
-        return self._by_home(server_ids)
+        return self._drive(self._destroy(self._dir._core.destroy()))
 
     # -- lifetime --------------------------------------------------------------------------
 
@@ -349,21 +239,12 @@ class ShardedLoadBalancer(ShardedBase):
 
 
 def _publish(ref: weakref.ReferenceType[ShardedLoadBalancer]) -> bool:
-    """One period's publishing: claim the shards due, read and publish their totals."""
+    """The publisher thread's period (False once the pool is gone)."""
     pool = ref()
     if pool is None or pool._dir._core.closed:
         return False
     try:
-        due = pool._run(pool._directory.totals({}))
-        if due:
-            if max(due) >= len(pool._shards):
-                pool._refresh()
-            totals = {s: pool._shards[s].get_total_inflight() for s in due}
-            pool._run(pool._directory.totals(totals))
+        pool._drive(pool._publish())
     except (rx.RedisError, NoServersAvailable, ConnectionError) as exc:
         keeper.log.debug("sharded pool %r: publishing totals failed: %s", pool.name, exc)
     return True
-
-
-def _is_cluster(client: Any) -> bool:
-    return hasattr(client, "cluster_slots") and hasattr(client, "nodes_manager")

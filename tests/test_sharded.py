@@ -566,10 +566,10 @@ def test_a_sessions_record_lives_a_generation_after_its_last_lookup(
     p = invariants.prefix(name)
 
     def place(key: str) -> int:  # what a process that remembers nothing asks the directory
-        return pool._run(pool._directory.place([key]))[0]
+        return pool._dir._run(pool._directory.place([key]))[0]
 
     def publish() -> None:
-        pool._run(pool._directory.totals({}))
+        pool._dir._run(pool._directory.totals({}))
 
     def placements() -> int:
         stats = r.hgetall(p + "shards")
