@@ -11,6 +11,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -594,3 +595,76 @@ def test_a_sessions_record_lives_a_generation_after_its_last_lookup(
         assert placements() == 3  # "kept" was placed anew: its record was dropped
     finally:
         pool.close()
+
+
+@both
+def test_sessions_weights_engines_and_dead_holders_act_on_every_shard(
+    make_pool: Callable[..., Any], r: redis.Redis
+) -> None:
+    from redis_router import EngineLoad
+
+    pool = make_pool(REPLICAS, shards=4)
+    assert pool.require_acquire_fields() == []
+    assert pool.require_release_fields() == []
+    where = {f"s{i}": pool.acquire_server(f"s{i}")[0] for i in range(16)}
+    for rid, sid in where.items():
+        pool.release_server(sid, rid)
+    assert pool.get_status()["sticky_sessions"] == 16
+    assert pool.end_session("s0", "s1", "nobody") == 2  # each on its shard, once
+    bumped = pool.bump_weight_version()
+    assert bumped["weight_version"] >= 1
+    assert pool.get_status()["sticky_sessions"] == 14  # sticky sessions kept (sticky=False)
+    cleared = pool.clear_sticky_cache()
+    assert cleared["cleared_entries"] == 14
+    assert set(cleared["server_loads"]) == set(REPLICAS)
+    assert pool.get_status()["sticky_sessions"] == 0
+    loads = {sid: EngineLoad(running=2, waiting=1) for sid in ("r0", "r3", "r6")}
+    assert pool.report_engine_load(loads) == 3
+    reported = pool.get_status()["replicas"]
+    assert all(reported[sid].get("engine") for sid in loads)
+    assert pool.reap() == 0  # no dead holder on any shard
+
+
+def test_a_lease_from_the_context_manager_ends_on_its_shard(
+    server: LocalServer, r: redis.Redis
+) -> None:
+    name = f"sp{next(_names)}"
+
+    async def in_asyncio() -> str:
+        async with AsyncShardedLoadBalancer(
+            REPLICAS, shards=3, redis=server.url, name=name + "a"
+        ) as pool:
+            async with pool.lease("s") as held:
+                assert await pool.get_total_inflight() == 1
+                assert await pool.request_owner("s") == held.server_id
+            # Read after the shard's posted release (a balancer's reads wait for its releases).
+            assert await pool.get_total_inflight() == 0
+            return str(held.server_id)
+
+    with ShardedLoadBalancer(REPLICAS, shards=3, redis=server.url, name=name) as pool:
+        with pool.lease("s") as held:
+            assert pool.get_total_inflight() == 1
+            assert pool.request_owner("s") == held.server_id
+        assert pool.get_total_inflight() == 0
+        assert check_shards(r, pool) == 0
+    assert asyncio.run(in_asyncio()) in REPLICAS
+
+
+def _public(cls: type) -> set[str]:
+    return {n for n in dir(cls) if not n.startswith("_") and callable(getattr(cls, n))}
+
+
+def test_both_flavours_have_the_same_methods_and_the_tests_drive_each() -> None:
+    """The two flavours are the same pool (every test above runs on both); each public method
+    is called by a test of this module or of test_sharded_cluster and test_cli_sharded."""
+    methods = _public(ShardedLoadBalancer)
+    assert methods == _public(AsyncShardedLoadBalancer)
+    here = Path(__file__).parent
+    sources = "".join(
+        (here / f).read_text()
+        for f in ("test_sharded.py", "test_sharded_cluster.py", "test_cli_sharded.py")
+    )
+    head, _, tail = sources.partition("def test_both_flavours_have_the_same_methods")
+    body = head + tail.partition("\n\n\n")[2]  # this test's own text left out
+    missing = sorted(m for m in methods if f".{m}(" not in body)
+    assert missing == []
