@@ -45,7 +45,8 @@ class ShardedLoadBalancer(ShardedBase):
         **options: Any,
     ) -> None:
         """``shards``: how many (2-256; the first process fixes it; also read from
-        ``router_kwargs``, as a YAML router config gives it). ``name``: the pool's (its
+        ``router_kwargs``, as a YAML router config gives it; None joins an existing pool
+        with the shards it has). ``name``: the pool's (its
         directory's keys; shard i is the balancer ``<name>/shard-<n>``). Every other option
         is :class:`~redis_router.RedisLoadBalancer`'s, given to each shard."""
         redis, router_kwargs = self._setup(shards, name, redis, router_kwargs)

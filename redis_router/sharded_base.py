@@ -76,12 +76,7 @@ class ShardedBase:
             if arg in rest and value != unset:
                 raise TypeError(f"option {arg!r} given both as an argument and in router_kwargs")
         shards = rest.pop("shards", shards)
-        if shards is None:
-            raise TypeError(
-                "shards is required: how many shards the pool has (2-256), as shards=K or in "
-                "router_kwargs"
-            )
-        self._k = shard_count(shards)
+        self._k = 0 if shards is None else shard_count(shards)  # 0: join the pool as it is
         self.name = pool_name(rest.pop("name", name))
         if "redis" in rest:
             if redis is not None:
@@ -126,6 +121,11 @@ class ShardedBase:
         """Read the layout, writing it first if the pool is new."""
         layout = yield OnDirectory(self._directory.layout())
         if not layout.names:
+            if not self._k:
+                raise ConfigMismatch(
+                    f"no sharded pool named {self.name!r} at {self.url}: the first process "
+                    "creates it with shards=K (2-256)"
+                )
             names = shard_names(self.name, self._k, (yield Primaries()))
             try:
                 layout = yield OnDirectory(self._directory.layout("create", names))
@@ -187,7 +187,8 @@ class ShardedBase:
         """Each key's shard: remembered, else the directory's (one call for all the keys)."""
         missing = list(dict.fromkeys(k for k in keys if self._remembered(k, avoid) is None))
         if missing:
-            placed = yield OnDirectory(self._directory.place(missing, avoid))
+            rand = self._core._getrandbits(30)  # the pool's rng: seeded where the options say
+            placed = yield OnDirectory(self._directory.place(missing, avoid, rand))
             if max(placed) >= len(self._shards):  # the pool grew since this process looked
                 yield from self._refresh()
             for key, shard in zip(missing, placed, strict=True):

@@ -199,11 +199,11 @@ class Directory:
             return 0
         return int((yield self._call("shard_unassign", server_ids)))
 
-    def place(self, keys: Sequence[str], avoid: Iterable[int] = ()) -> Op[list[int]]:
+    def place(self, keys: Sequence[str], avoid: Iterable[int] = (), rand: int = 0) -> Op[list[int]]:
         """Each key's shard (a session id or a group id): the recorded one, else the shard
-        with the fewest requests per replica; ``avoid``: shards not to choose (a recorded one
-        there is placed anew)."""
-        got = yield self._call("shard_place", (SEP.join(map(str, avoid)), *keys))
+        with the fewest requests per replica (``rand``: a random integer that breaks ties);
+        ``avoid``: shards not to choose (a recorded one there is placed anew)."""
+        got = yield self._call("shard_place", (rand, SEP.join(map(str, avoid)), *keys))
         return [int(s) for s in got]
 
     def totals(self, published: Mapping[int, int]) -> Op[list[int]]:

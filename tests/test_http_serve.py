@@ -957,3 +957,40 @@ def test_processes_out_of_range_are_refused(server, procs, name, processes):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and out == ""
     assert f"--processes must be in [1, 64], got {processes}" in err
+
+
+def test_serve_in_front_of_a_sharded_pool_keeps_each_session_on_its_replica(server, procs, name):
+    """`serve --name <a sharded pool>` serves the pool: turns of a session reach one replica
+    whichever instance they go through, and sessions reach the replicas of every shard."""
+    from redis_router import ShardedLoadBalancer
+
+    replicas = procs.replicas(4)
+    pool = ShardedLoadBalancer(
+        {rid: {"url": url} for rid, url in replicas.items()}, shards=2, redis=server.url,
+        name=name,
+    )  # fmt: skip
+    try:
+        fronts = procs.fronts(server.url, name, 2, "--session-field", "user")
+        assert all("balancer" in b for b in procs.banners[-2:])
+        clients = [chat(f) for f in fronts]
+        served: dict[str, set[str]] = {}
+        for turn in range(3):
+            for s in range(16):
+                session = f"conv-{s}"
+                messages = [
+                    {"role": "user", "content": f"{session} turn {t}"} for t in range(turn + 1)
+                ]
+                raw = clients[(s + turn) % 2].chat.completions.with_raw_response.create(
+                    model="m", messages=messages, user=session
+                )
+                served.setdefault(session, set()).add(raw.headers["x-replica-id"])
+        assert all(len(where) == 1 for where in served.values()), served
+        used = {next(iter(where)) for where in served.values()}
+        # Both shards' replicas served: a tie between idle shards is broken at random, so all
+        # 16 sessions on one shard has a chance of 2**-15.
+        assert {pool._home(sid) for sid in used} == {0, 1}
+        status = pool.get_status()
+        assert status["total_inflight"] == 0
+        assert sum(r["sticky_hits"] for r in status["replicas"].values()) == 16 * 2
+    finally:
+        pool.close()

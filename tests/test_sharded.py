@@ -550,8 +550,12 @@ def test_a_yaml_router_config_builds_a_sharded_pool(
         check_directory(r, name, 3)
     finally:
         pool.close()
-    with pytest.raises(TypeError, match="shards is required"):
-        ShardedLoadBalancer(redis=server.url, name=name)
+    joined = ShardedLoadBalancer(redis=server.url, name=name)  # no count: the pool as it is
+    assert joined.shard_names == pool.shard_names
+    joined.close()
+    with pytest.raises(ConfigMismatch, match="no sharded pool named 'nothing-here'"):
+        ShardedLoadBalancer(redis=server.url, name="nothing-here")
+    assert r.keys("rr:{nothing-here}:*") == []
 
 
 @pytest.mark.slow

@@ -253,6 +253,24 @@ def _loop(main: Coroutine[Any, Any, None]) -> None:
         uvloop.run(main)
 
 
+def _sharded(url: str, name: str) -> bool:
+    """Whether ``name`` is a sharded pool's (its directory has a layout)."""
+    from redis.exceptions import RedisError
+
+    from ..connection import connect
+    from ..errors import RedisRouterError
+    from .common import sharded_layout
+
+    try:
+        client = connect(url)
+        try:
+            return bool(sharded_layout(client, name))
+        finally:
+            client.close()
+    except (RedisError, RedisRouterError):  # unreachable: the balancer says so, as usual
+        return False
+
+
 async def _serve(
     args: argparse.Namespace,
     url: str,
@@ -264,6 +282,7 @@ async def _serve(
     announce: Callable[[str], None],
 ) -> None:
     from ..aio import AsyncRedisLoadBalancer
+    from ..aio_sharded import AsyncShardedLoadBalancer
     from ..http.server import Front, running
 
     try:
@@ -272,7 +291,11 @@ async def _serve(
         metrics: Any = Metrics()
     except ImportError:  # prometheus_client absent: /metrics answers 404
         metrics = None
-    lb = AsyncRedisLoadBalancer(redis=url, name=name, policy=policy, router_kwargs=config)
+    lb: Any
+    if _sharded(url, name):  # a sharded pool's name: serve the pool (docs/sharding.md)
+        lb = AsyncShardedLoadBalancer(redis=url, name=name, policy=policy, router_kwargs=config)
+    else:
+        lb = AsyncRedisLoadBalancer(redis=url, name=name, policy=policy, router_kwargs=config)
     async with lb:  # checks the pinned settings before serving anything
         front = Front(lb, options, metrics)
         async with running(front, args.host, args.port, sock=sock) as (host, port):
