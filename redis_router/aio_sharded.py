@@ -14,9 +14,10 @@ from redis import exceptions as rx
 
 from . import keeper
 from .aio import KEEPER_STOP_TIMEOUT, AsyncLease, AsyncRedisLoadBalancer, AsyncReleased
+from .coalesce import Coalescer
 from .core import Steps
 from .errors import NoServersAvailable
-from .sharded_base import OnDirectory, OnShard, ShardedBase, ShardedOp, ShardStep, T
+from .sharded_base import OnDirectory, OnShard, Placing, ShardedBase, ShardedOp, ShardStep, T
 from .shards import PUBLISH_EVERY, capacities, cluster_primaries
 
 
@@ -48,6 +49,8 @@ class AsyncShardedLoadBalancer(ShardedBase):
         capacities(self._initial, None)  # checked now, registered by the first call
         self._ready: asyncio.Future[None] | None = None
         self._publisher: asyncio.Future[None] | None = None
+        # New sessions placed in one loop turn share one directory call (redis_router.coalesce).
+        self._placer: Coalescer[str, int] = Coalescer(self._place_batch)
 
     # -- driving the operations ------------------------------------------------------------
 
@@ -71,10 +74,17 @@ class AsyncShardedLoadBalancer(ShardedBase):
             return await got if inspect.iscoroutine(got) else got
         if isinstance(step, OnDirectory):
             return await self._dir._call(step.op)
+        if isinstance(step, Placing):
+            if step.avoid:  # a session moving off a shard: by itself
+                return await self._dir._call(self._place(step.keys, step.avoid))
+            return list(await asyncio.gather(*(self._placer.submit(k) for k in step.keys)))
         client = self._dir._client
         if hasattr(client, "cluster_slots") and hasattr(client, "nodes_manager"):
             return cluster_primaries(await client.cluster_slots())
         return []
+
+    async def _place_batch(self, keys: list[str]) -> list[int | BaseException]:
+        return list(await self._dir._call(self._place(keys)))
 
     async def _joined(self) -> None:
         """Read the layout and register the constructor's replicas, once."""

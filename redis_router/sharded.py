@@ -15,7 +15,7 @@ from .balancer import Lease, RedisLoadBalancer
 from .core import Steps
 from .errors import NoServersAvailable
 from .outbox import Released
-from .sharded_base import OnDirectory, OnShard, ShardedBase, ShardedOp, ShardStep, T
+from .sharded_base import OnDirectory, OnShard, Placing, ShardedBase, ShardedOp, ShardStep, T
 from .shards import PUBLISH_EVERY, cluster_primaries
 
 
@@ -79,6 +79,8 @@ class ShardedLoadBalancer(ShardedBase):
             return getattr(self._shards[step.shard], step.method)(*step.args, **step.kwargs)
         if isinstance(step, OnDirectory):
             return self._dir._run(step.op)
+        if isinstance(step, Placing):
+            return self._dir._run(self._place(step.keys, step.avoid))
         client = self._dir._client
         if hasattr(client, "cluster_slots") and hasattr(client, "nodes_manager"):
             return cluster_primaries(client.cluster_slots())

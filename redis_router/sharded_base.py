@@ -48,12 +48,21 @@ class OnShard(NamedTuple):
     kwargs: Mapping[str, Any] = {}
 
 
+class Placing(NamedTuple):
+    """Ask the directory for these keys' shards (:meth:`~redis_router.shards.Directory.place`,
+    run by :meth:`ShardedBase._place`): one call, or, in the asyncio flavour, one call with
+    the other tasks' placements of the same loop turn."""
+
+    keys: list[str]
+    avoid: tuple[int, ...]
+
+
 class Primaries(NamedTuple):
     """The Cluster's primaries' slot ranges (:func:`~redis_router.shards.cluster_primaries`),
     [] when the client is not a Cluster's."""
 
 
-ShardStep = OnDirectory | OnShard | Primaries
+ShardStep = OnDirectory | OnShard | Placing | Primaries
 ShardedOp = Generator[ShardStep, Any, T]
 
 
@@ -187,8 +196,7 @@ class ShardedBase:
         """Each key's shard: remembered, else the directory's (one call for all the keys)."""
         missing = list(dict.fromkeys(k for k in keys if self._remembered(k, avoid) is None))
         if missing:
-            rand = self._core._getrandbits(30)  # the pool's rng: seeded where the options say
-            placed = yield OnDirectory(self._directory.place(missing, avoid, rand))
+            placed = yield Placing(missing, avoid)
             if max(placed) >= len(self._shards):  # the pool grew since this process looked
                 yield from self._refresh()
             for key, shard in zip(missing, placed, strict=True):
@@ -200,6 +208,11 @@ class ShardedBase:
         if any(s is None for s in out):  # placed, and forgotten at once (more than it keeps)
             raise no_shard(self.name)
         return [s for s in out if s is not None]
+
+    def _place(self, keys: list[str], avoid: tuple[int, ...] = ()) -> Op[list[int]]:
+        """The directory's placement of ``keys``, its ties broken by the pool's rng (seeded
+        where the options give one)."""
+        return self._directory.place(keys, avoid, self._core._getrandbits(30))
 
     def _remembered(self, key: str, avoid: tuple[int, ...]) -> int | None:
         shard = self._sessions.get(key)

@@ -19,6 +19,7 @@ import redis
 
 from redis_router import NoCapacity, NoServersAvailable
 from redis_router.aio_sharded import AsyncShardedLoadBalancer
+from redis_router.coalesce import Coalescer
 from redis_router.errors import ConfigMismatch
 from redis_router.local_server import LocalServer
 from redis_router.sharded import ShardedLoadBalancer
@@ -652,6 +653,40 @@ def test_a_lease_from_the_context_manager_ends_on_its_shard(
         assert pool.get_total_inflight() == 0
         assert check_shards(r, pool) == 0
     assert asyncio.run(in_asyncio()) in REPLICAS
+
+
+def test_asyncio_new_sessions_of_one_loop_turn_share_a_directory_call(
+    server: LocalServer, r: redis.Redis
+) -> None:
+    """64 new sessions acquired at once: their placements go to the directory together (the
+    coalescer), and each session still gets its own shard and replica."""
+    name = f"sp{next(_names)}"
+    batches: list[int] = []
+
+    async def main() -> list[str]:
+        pool = AsyncShardedLoadBalancer(REPLICAS, shards=4, redis=server.url, name=name)
+        send = pool._place_batch
+
+        async def counted(keys: list[str]) -> list[int | BaseException]:
+            batches.append(len(keys))
+            return await send(keys)
+
+        pool._placer = Coalescer(counted)
+        try:
+            got = await asyncio.gather(*(pool.acquire_server(f"s{i}") for i in range(64)))
+            for i, (sid, _) in enumerate(got):
+                await pool.release_server(sid, f"s{i}")
+            return [sid for sid, _ in got]
+        finally:
+            await pool.close()
+
+    where = asyncio.run(main())
+    assert sum(batches) == 64
+    assert len(batches) < 64, batches  # some placements shared a call
+    per = collections.Counter(where)
+    assert set(per) == set(REPLICAS)
+    assert max(per.values()) - min(per.values()) <= 2, per  # placed as one after another
+    check_directory(r, name, 4)
 
 
 def _public(cls: type) -> set[str]:
