@@ -19,6 +19,7 @@ from .shards import (
     Layout,
     Remembered,
     capacities,
+    merged_bump,
     merged_status,
     more_names,
     no_shard,
@@ -378,11 +379,7 @@ class ShardedBase:
         return sum((yield from self._each(method, *args, **kwargs)))
 
     def _bump(self, sticky: bool) -> ShardedOp[dict[str, int]]:
-        out: dict[str, int] = {}
-        for r in (yield from self._each("bump_weight_version", sticky=sticky)):
-            for k, v in r.items():
-                out[k] = max(out.get(k, v), v) if k == "weight_version" else out.get(k, 0) + v
-        return out
+        return merged_bump((yield from self._each("bump_weight_version", sticky=sticky)))
 
     def _clear(self) -> ShardedOp[dict[str, Any]]:
         results = yield from self._each("clear_sticky_cache")

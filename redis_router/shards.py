@@ -350,3 +350,12 @@ def merged_status(name: str, shards: Sequence[Mapping[str, Any]], placing: Any) 
     ]
     out["placement"] = placing
     return out
+
+
+def merged_bump(results: Sequence[Mapping[str, int]]) -> dict[str, int]:
+    """bump_weight_version() of every shard as one: the newest version, the drops summed."""
+    out: dict[str, int] = {}
+    for r in results:
+        for k, v in r.items():
+            out[k] = max(out.get(k, v), v) if k == "weight_version" else out.get(k, 0) + v
+    return out

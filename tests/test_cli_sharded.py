@@ -93,6 +93,24 @@ def test_sessions_clear_and_reap_act_on_every_shard(
     assert "reclaimed 0 lease(s)" in reaped.stdout
 
 
+def test_owner_and_bump_weight_version_act_on_the_pool(
+    pool: ShardedLoadBalancer, server: LocalServer
+) -> None:
+    leases = [pool.acquire(f"s{i}") for i in range(6)]
+    for lease in leases:
+        proc = run_cli("--name", "fleet", "owner", lease.request_id, redis=server.url)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split()[0] == lease.server_id
+    for lease in leases:
+        lease.release()
+    assert run_cli("--name", "fleet", "owner", "s0", redis=server.url).returncode == 1
+    sticky = pool.get_status()["sticky_sessions"]
+    bumped = run_cli("--name", "fleet", "bump-weight-version", "--sticky", redis=server.url)
+    assert bumped.returncode == 0, bumped.stderr
+    assert f"and {sticky} sticky session(s)" in bumped.stdout
+    assert pool.get_status()["sticky_sessions"] == 0
+
+
 def test_a_command_for_one_balancer_is_told_to_name_a_shard(
     pool: ShardedLoadBalancer, server: LocalServer
 ) -> None:

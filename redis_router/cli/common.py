@@ -30,7 +30,14 @@ from ..errors import RedisConfigError, RedisUnavailable
 from ..invoke import Sender
 from ..policy import LeastLoaded
 from ..scoring import EngineScoring
-from ..shards import Directory, capacities, merged_status, placement, split_servers
+from ..shards import (
+    Directory,
+    capacities,
+    merged_bump,
+    merged_status,
+    placement,
+    split_servers,
+)
 
 
 class CliError(Exception):
@@ -214,6 +221,17 @@ class Balancer:
         """As a tool: judged by the workers' lease ttls, and waiting for every unheard one."""
         return self.run(self.core().reap_all(tool=True))
 
+    def request_owner(self, request_id: str) -> tuple[str | None, Any]:
+        """The replica serving ``request_id`` now, and its metadata (None, None: none)."""
+        core = self.core(self.pinned_sticky_ttl())  # its buckets are where the sessions are
+        owner = self.run(core.request_owner(request_id), core)
+        raw = self.client.hget(servers_key(self.name), owner) if owner else None
+        return owner, json.loads(raw) if raw else None
+
+    def bump(self, sticky: bool) -> dict[str, int]:
+        core = self.core(self.pinned_sticky_ttl())
+        return self.run(core.bump_weight_version(sticky), core)
+
     def pin_sticky_ttl(self, seconds: float) -> None:
         """Pin sticky_ttl as a worker's first acquire would (HSETNX: a pinned value stays)."""
         self.client.hsetnx(config_key(self.name), "sticky_ttl_ms", self.core(seconds).sticky_ms)
@@ -293,6 +311,16 @@ class ShardedPool(Balancer):
     def pin_sticky_ttl(self, seconds: float) -> None:
         for b in self.shards:
             b.pin_sticky_ttl(seconds)
+
+    def request_owner(self, request_id: str) -> tuple[str | None, Any]:
+        for b in self.shards:
+            found = b.request_owner(request_id)
+            if found[0] is not None:
+                return found
+        return None, None
+
+    def bump(self, sticky: bool) -> dict[str, int]:
+        return merged_bump([b.bump(sticky) for b in self.shards])
 
     def metadata(self) -> dict[str, Any]:
         return {sid: meta for b in self.shards for sid, meta in b.metadata().items()}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .common import Handlers, open_balancer, servers_key
+from .common import Handlers, open_balancer
 
 
 def _owner_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,11 +28,8 @@ def _owner_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _owner(args: argparse.Namespace) -> int:
-    with open_balancer(args) as b:
-        core = b.core(b.pinned_sticky_ttl())  # its buckets are where the sessions are
-        owner = b.run(core.request_owner(args.rid), core)
-        raw = b.client.hget(servers_key(b.name), owner) if owner else None
-        meta = json.loads(raw) if raw else None
+    with open_balancer(args, pool_wide=True) as b:
+        owner, meta = b.request_owner(args.rid)
     if args.json:
         print(json.dumps({"request_id": args.rid, "replica": owner, "metadata": meta}))
     elif owner is None:
@@ -55,9 +52,8 @@ def _bump_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _bump(args: argparse.Namespace) -> int:
-    with open_balancer(args) as b:
-        core = b.core(b.pinned_sticky_ttl())
-        got = b.run(core.bump_weight_version(args.sticky), core)
+    with open_balancer(args, pool_wide=True) as b:
+        got = b.bump(args.sticky)
     print(
         f"balancer {b.name!r}: weight version {got['weight_version']}; dropped "
         f"{got['locality_keys_dropped']} locality key(s) and {got['sticky_entries_forgotten']} "
