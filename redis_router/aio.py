@@ -51,12 +51,12 @@ from .core import (
     Op,
     Pause,
     Step,
-    Steps,
     T,
     admit,
     fields_per_request,
     new_token,
     new_tokens,
+    run_steps_async,
 )
 from .direct import Pipe
 from .engine import EngineLoad
@@ -412,13 +412,7 @@ class AsyncRedisLoadBalancer(BalancerBase):
     async def _admit(self, op: Admission) -> list[Grant]:
         """Drive :func:`~redis_router.core.admit`: run each step, throw its error back in
         (a cancel included: a wait in the queue is left, then the cancel goes on)."""
-        with Steps(op) as steps:
-            for step in steps:
-                try:
-                    steps.reply = await self._step(step)
-                except BaseException as exc:
-                    steps.error = exc
-            return steps.result
+        return await run_steps_async(op, self._step)
 
     async def _step(self, step: Step) -> Any:
         if isinstance(step, Attempt):

@@ -15,7 +15,7 @@ from redis import exceptions as rx
 from . import keeper
 from .aio import KEEPER_STOP_TIMEOUT, AsyncLease, AsyncRedisLoadBalancer, AsyncReleased
 from .coalesce import Coalescer
-from .core import Steps
+from .core import run_steps_async
 from .errors import NoServersAvailable
 from .sharded_base import OnDirectory, OnShard, Placing, ShardedBase, ShardedOp, ShardStep, T
 from .shards import PUBLISH_EVERY, capacities, cluster_primaries
@@ -60,13 +60,7 @@ class AsyncShardedLoadBalancer(ShardedBase):
         return await self._run(op)
 
     async def _run(self, op: ShardedOp[T]) -> T:
-        with Steps(op) as steps:
-            for step in steps:
-                try:
-                    steps.reply = await self._step(step)
-                except BaseException as exc:
-                    steps.error = exc
-            return steps.result
+        return await run_steps_async(op, self._step)
 
     async def _step(self, step: ShardStep) -> Any:
         if isinstance(step, OnShard):

@@ -33,10 +33,10 @@ from .core import (
     Op,
     Pause,
     Step,
-    Steps,
     T,
     admit,
     fields_per_request,
+    run_steps,
 )
 from .engine import EngineLoad
 from .errors import NoCapacity, RedisRouterError, RedisUnavailable
@@ -236,13 +236,7 @@ class RedisLoadBalancer(BalancerBase):
 
     def _admit(self, op: Admission) -> list[Grant]:
         """Drive :func:`~redis_router.core.admit`: run each step, throw its error back in."""
-        with Steps(op) as steps:
-            for step in steps:
-                try:
-                    steps.reply = self._step(step)
-                except BaseException as exc:
-                    steps.error = exc
-            return steps.result
+        return run_steps(op, self._step)
 
     def _step(self, step: Step) -> Any:
         if isinstance(step, Attempt):

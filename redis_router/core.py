@@ -15,7 +15,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from . import dp, engine, health, options, validation
@@ -1149,8 +1149,9 @@ Admission = Generator[Step, Any, list[Grant]]
 class Steps(Generic[S, T]):
     """An I/O-free operation's steps, for its driver: ``for step in steps``, then set
     ``reply`` (or ``error``, thrown back in) for each; ``result`` once done. Closes the
-    operation on exit. A blocking and an asyncio driver run the same operation this way
-    (an Admission here; a transport's forwarding in redis_router.http.transport)."""
+    operation on exit. :func:`run_steps` and :func:`run_steps_async` drive one this way
+    (an Admission here; a transport's forwarding in redis_router.http.transport; a sharded
+    pool's operations in redis_router.sharded_base)."""
 
     def __init__(self, op: Generator[S, Any, T]) -> None:
         self._op = op
@@ -1181,6 +1182,30 @@ class Steps(Generic[S, T]):
 
     def __exit__(self, *exc: object) -> None:
         self._op.close()
+
+
+def run_steps(op: Generator[S, Any, T], step: Callable[[S], Any]) -> T:
+    """Drive an I/O-free operation, blocking: each step's result is sent back in, its error
+    thrown back in; the operation's result returned (the one loop of every blocking
+    driver)."""
+    with Steps(op) as steps:
+        for s in steps:
+            try:
+                steps.reply = step(s)
+            except BaseException as exc:
+                steps.error = exc
+        return steps.result
+
+
+async def run_steps_async(op: Generator[S, Any, T], step: Callable[[S], Awaitable[Any]]) -> T:
+    """:func:`run_steps`, each step awaited (the one loop of every asyncio driver)."""
+    with Steps(op) as steps:
+        for s in steps:
+            try:
+                steps.reply = await step(s)
+            except BaseException as exc:
+                steps.error = exc
+        return steps.result
 
 
 def admit(

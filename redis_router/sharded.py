@@ -12,7 +12,7 @@ from redis import exceptions as rx
 
 from . import keeper
 from .balancer import Lease, RedisLoadBalancer
-from .core import Steps
+from .core import run_steps
 from .errors import NoServersAvailable
 from .outbox import Released
 from .sharded_base import OnDirectory, OnShard, Placing, ShardedBase, ShardedOp, ShardStep, T
@@ -66,13 +66,7 @@ class ShardedLoadBalancer(ShardedBase):
     # -- driving the operations ------------------------------------------------------------
 
     def _drive(self, op: ShardedOp[T]) -> T:
-        with Steps(op) as steps:
-            for step in steps:
-                try:
-                    steps.reply = self._step(step)
-                except BaseException as exc:
-                    steps.error = exc
-            return steps.result
+        return run_steps(op, self._step)
 
     def _step(self, step: ShardStep) -> Any:
         if isinstance(step, OnShard):

@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 import httpx
 
 from .. import dp
-from ..core import Steps
+from ..core import run_steps, run_steps_async
 from ..errors import (
     ConfigMismatch,
     NoServersAvailable,
@@ -263,13 +263,8 @@ class AsyncRouterTransport(_Routed[httpx.AsyncBaseTransport], httpx.AsyncBaseTra
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         raw = await request.aread()
-        with Steps(_forward(self._rules, request, raw)) as steps:
-            for step in steps:
-                try:
-                    steps.reply = await self._run(step)
-                except BaseException as exc:
-                    steps.error = exc
-            return _response(steps.result, _AsyncLeased)
+        forwarded = await run_steps_async(_forward(self._rules, request, raw), self._run)
+        return _response(forwarded, _AsyncLeased)
 
     async def _run(self, step: _Step) -> Any:
         if isinstance(step, _Acquire):
@@ -296,13 +291,7 @@ class RouterTransport(_Routed[httpx.BaseTransport], httpx.BaseTransport):
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         raw = request.read()
-        with Steps(_forward(self._rules, request, raw)) as steps:
-            for step in steps:
-                try:
-                    steps.reply = self._run(step)
-                except BaseException as exc:
-                    steps.error = exc
-            return _response(steps.result, _Leased)
+        return _response(run_steps(_forward(self._rules, request, raw), self._run), _Leased)
 
     def _run(self, step: _Step) -> Any:
         if isinstance(step, _Acquire):
