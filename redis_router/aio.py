@@ -113,11 +113,20 @@ class AsyncReleased:
 class AsyncLease:
     """One request's hold on a replica; ``release()`` ends it exactly once."""
 
-    __slots__ = ("_balancer", "_released", "handle", "request_id", "server_id", "sticky", "token")
+    __slots__ = (
+        "_balancer",
+        "_release",
+        "handle",
+        "request_id",
+        "server_id",
+        "sticky",
+        "token",
+    )
 
     def __init__(self, balancer: AsyncRedisLoadBalancer, grant: Grant) -> None:
         self._balancer = balancer
-        self._released = False
+        # The release sent, once it is: a lease stays released unless that one failed.
+        self._release: asyncio.Future[bool] | None = None
         self.server_id, self.handle = grant.server_id, grant.handle
         self.request_id, self.token, self.sticky = grant.request_id, grant.token, grant.sticky
 
@@ -140,19 +149,21 @@ class AsyncLease:
         """End the lease and report that its request failed (see Lease.fail)."""
         return self._end(True)
 
+    @property
+    def _released(self) -> bool:
+        """Released: a release was sent and has not failed (Redis unreachable), so a lease
+        whose release failed may be released again once Redis is back."""
+        sent = self._release
+        if sent is None:
+            return False
+        return not (sent.done() and (sent.cancelled() or sent.exception() is not None))
+
     def _end(self, failed: bool) -> AsyncReleased:
-        """Send the release once; one that failed (Redis unreachable) leaves the lease
-        releasable, so calling again after the outage ends it."""
         if self._released:
             return self._balancer._post_done(False)
-        self._released = True
         sent = self._balancer._post(self.server_id, self.request_id, self.token, failed)
-        sent._future.add_done_callback(self._sent)
+        self._release = sent._future
         return sent
-
-    def _sent(self, future: asyncio.Future[bool]) -> None:
-        if future.cancelled() or future.exception() is not None:
-            self._released = False
 
     def __repr__(self) -> str:
         return f"AsyncLease(server_id={self.server_id!r}, request_id={self.request_id!r})"

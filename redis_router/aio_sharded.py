@@ -18,7 +18,7 @@ from .coalesce import Coalescer
 from .core import run_steps_async
 from .errors import NoServersAvailable
 from .sharded_base import OnDirectory, OnShard, Placing, ShardedBase, ShardedOp, ShardStep, T
-from .shards import PUBLISH_EVERY, capacities, cluster_primaries
+from .shards import PUBLISH_EVERY, capacities, cluster_primaries, on_cluster
 
 
 class AsyncShardedLoadBalancer(ShardedBase):
@@ -73,7 +73,7 @@ class AsyncShardedLoadBalancer(ShardedBase):
                 return await self._dir._call(self._place(step.keys, step.avoid))
             return list(await asyncio.gather(*(self._placer.submit(k) for k in step.keys)))
         client = self._dir._client
-        if hasattr(client, "cluster_slots") and hasattr(client, "nodes_manager"):
+        if on_cluster(client):
             return cluster_primaries(await client.cluster_slots())
         return []
 

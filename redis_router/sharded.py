@@ -16,7 +16,7 @@ from .core import run_steps
 from .errors import NoServersAvailable
 from .outbox import Released
 from .sharded_base import OnDirectory, OnShard, Placing, ShardedBase, ShardedOp, ShardStep, T
-from .shards import PUBLISH_EVERY, cluster_primaries
+from .shards import PUBLISH_EVERY, cluster_primaries, on_cluster
 
 
 class ShardedLoadBalancer(ShardedBase):
@@ -76,7 +76,7 @@ class ShardedLoadBalancer(ShardedBase):
         if isinstance(step, Placing):
             return self._dir._run(self._place(step.keys, step.avoid))
         client = self._dir._client
-        if hasattr(client, "cluster_slots") and hasattr(client, "nodes_manager"):
+        if on_cluster(client):
             return cluster_primaries(client.cluster_slots())
         return []
 

@@ -18,7 +18,9 @@ from .shards import (
     Directory,
     Layout,
     Remembered,
+    by_home,
     capacities,
+    home_of,
     merged_bump,
     merged_status,
     more_names,
@@ -195,20 +197,20 @@ class ShardedBase:
 
     def _shard_of(self, keys: list[str], avoid: tuple[int, ...] = ()) -> ShardedOp[list[int]]:
         """Each key's shard: remembered, else the directory's (one call for all the keys)."""
-        missing = list(dict.fromkeys(k for k in keys if self._remembered(k, avoid) is None))
+        known = [self._remembered(k, avoid) for k in keys]
+        missing = list(dict.fromkeys(k for k, s in zip(keys, known, strict=True) if s is None))
+        placed: dict[str, int] = {}
         if missing:
-            placed = yield Placing(missing, avoid)
-            if max(placed) >= len(self._shards):  # the pool grew since this process looked
+            got = yield Placing(missing, avoid)
+            if max(got) >= len(self._shards):  # the pool grew since this process looked
                 yield from self._refresh()
-            for key, shard in zip(missing, placed, strict=True):
+            for key, shard in zip(missing, got, strict=True):
                 if shard < 0:
                     raise no_shard(self.name)
                 self._sessions.put(key, shard)
+                placed[key] = shard
         self._publish_from_now()
-        out = [self._sessions.get(k) for k in keys]
-        if any(s is None for s in out):  # placed, and forgotten at once (more than it keeps)
-            raise no_shard(self.name)
-        return [s for s in out if s is not None]
+        return [placed[k] if s is None else s for k, s in zip(keys, known, strict=True)]
 
     def _place(self, keys: list[str], avoid: tuple[int, ...] = ()) -> Op[list[int]]:
         """The directory's placement of ``keys``, its ties broken by the pool's rng (seeded
@@ -282,29 +284,18 @@ class ShardedBase:
         self._homes[sid] = shard
         return grant
 
-    def _session_shard(self, request_id: str) -> ShardedOp[int]:
-        """The shard of a session this process is about to hold (a lease)."""
-        return (yield from self._shard_of([request_id]))[0]
-
     # -- replicas --------------------------------------------------------------------------
 
     def _home(self, server_id: str) -> int:
-        """The replica's home shard as this process knows it; a data-parallel rank's is its
-        replica's. An id it lacks goes to shard 0, whose answer for an unknown replica is the
-        pool's."""
-        sid = validation.server_id(server_id)
-        shard = self._homes.get(sid, self._homes.get(dp.replica_of(sid)[0]))
-        return shard if shard is not None else 0
+        """The replica's home shard as this process knows it (:func:`~.shards.home_of`)."""
+        return home_of(self._homes, validation.server_id(server_id))
 
     def _homes_of(self, server_ids: Sequence[str]) -> ShardedOp[dict[int, list[str]]]:
         """``server_ids`` by home shard; an id this process has not seen reads the layout."""
         ids = validation.server_ids(server_ids)
         if any(s not in self._homes and dp.replica_of(s)[0] not in self._homes for s in ids):
             yield from self._refresh()
-        out: dict[int, list[str]] = {}
-        for sid in ids:
-            out.setdefault(self._home(sid), []).append(sid)
-        return out
+        return by_home(self._homes, ids)
 
     def _add(
         self, servers: Mapping[str, Any], capacity: Mapping[str, int] | None

@@ -71,16 +71,7 @@ def shard_names(
     ranges, in a fixed order) shard i's slot falls on primary i mod their number, so the
     shards split the Redis time evenly: consecutive numbers would put some primaries two
     shards and others none. Elsewhere, numbered 0..K-1."""
-    if not primaries:
-        return [f"{name}{SHARD_MARK}{i}" for i in range(k)]
-    names, n = [], 0
-    for i in range(k):
-        want = primaries[i % len(primaries)]
-        while not any(lo <= slot_of(f"{name}{SHARD_MARK}{n}") <= hi for lo, hi in want):
-            n += 1
-        names.append(f"{name}{SHARD_MARK}{n}")
-        n += 1
-    return names
+    return more_names(name, (), k, primaries)
 
 
 def more_names(
@@ -100,6 +91,11 @@ def more_names(
         names.append(f"{name}{SHARD_MARK}{n}")
         n += 1
     return names
+
+
+def on_cluster(client: Any) -> bool:
+    """Whether ``client`` is a Cluster's (redis-py's RedisCluster, either flavour)."""
+    return hasattr(client, "cluster_slots") and hasattr(client, "nodes_manager")
 
 
 def cluster_primaries(slots: Any) -> list[list[tuple[int, int]]]:
@@ -221,8 +217,8 @@ def _text(value: Any) -> str:
 
 class Remembered:
     """Where this process's sessions went: key → shard, the newest ``REMEMBERED`` of them.
-    An entry older than a directory record's bucket width is looked up again, which also
-    keeps the record alive while the session lives only in this process."""
+    An entry older than ``fresh_for`` (a quarter of a record's generation) is looked up
+    again, which also keeps the record alive while the session lives only in this process."""
 
     def __init__(self, fresh_for: float, most: int = REMEMBERED) -> None:
         self._fresh_for, self._most = fresh_for, most
@@ -241,12 +237,23 @@ class Remembered:
         while len(self._shard) > self._most:
             self._shard.popitem(last=False)
 
-    def forget(self, keys: Iterable[str]) -> None:
-        for key in keys:
-            self._shard.pop(key, None)
-
     def clear(self) -> None:
         self._shard.clear()
+
+
+def home_of(homes: Mapping[str, int], server_id: str) -> int:
+    """A replica's home shard; a data-parallel rank's is its replica's. An id without one
+    goes to shard 0, whose answer for an unknown replica is the pool's."""
+    shard = homes.get(server_id, homes.get(dp.replica_of(server_id)[0]))
+    return shard if shard is not None else 0
+
+
+def by_home(homes: Mapping[str, int], server_ids: Iterable[str]) -> dict[int, list[str]]:
+    """``server_ids`` grouped by home shard (:func:`home_of`)."""
+    out: dict[int, list[str]] = {}
+    for sid in server_ids:
+        out.setdefault(home_of(homes, sid), []).append(sid)
+    return out
 
 
 def no_shard(name: str) -> NoServersAvailable:

@@ -32,6 +32,7 @@ from ..policy import LeastLoaded
 from ..scoring import EngineScoring
 from ..shards import (
     Directory,
+    by_home,
     capacities,
     merged_bump,
     merged_status,
@@ -268,20 +269,10 @@ class ShardedPool(Balancer):
         found = [b.status() for b in self.shards]
         stats = self.run(self.directory.stats())
         placing = placement(self.shards, stats)
-        merged = merged_status(self.name, found, placing)
-        merged["sticky_ttl"] = found[0]["sticky_ttl"]
-        return merged
-
-    def _homes(self) -> dict[str, int]:
-        return self.run(self.directory.layout()).homes
+        return merged_status(self.name, found, placing)  # sticky_ttl: the first shard's
 
     def _by_home(self, ids: list[str]) -> dict[int, list[str]]:
-        homes = self._homes()
-        out: dict[int, list[str]] = {}
-        for sid in ids:
-            shard = homes.get(sid, homes.get(dp.replica_of(sid)[0], 0))
-            out.setdefault(shard, []).append(sid)
-        return out
+        return by_home(self.run(self.directory.layout()).homes, ids)
 
     def add_servers(self, servers: dict[str, Any], capacity: dict[str, int] | None) -> int:
         homes = self.run(self.directory.assign(capacities(servers, capacity)))
@@ -324,11 +315,6 @@ class ShardedPool(Balancer):
 
     def metadata(self) -> dict[str, Any]:
         return {sid: meta for b in self.shards for sid, meta in b.metadata().items()}
-
-
-def pool_metadata(balancer: Balancer) -> dict[str, Any]:
-    """Every replica's metadata as readers see it (see Balancer.metadata)."""
-    return balancer.metadata()
 
 
 def balancer_at(client: Any, name: str, url: str) -> Balancer:

@@ -21,7 +21,7 @@ from typing import Any
 
 from .. import health
 from ..errors import RedisUnavailable
-from .common import Balancer, config_key, open_balancer, pool_metadata
+from .common import Balancer, config_key, open_balancer
 
 MAX_PARALLEL = 32
 
@@ -76,7 +76,7 @@ def check_round(balancer: Balancer, path: str, timeout: float) -> dict[str, str]
     """Probe every health URL of the pool once and report the outcome for each replica (each
     rank) probed there; returns each probed replica's state after the report."""
     targets: dict[str, str] = {}
-    for sid, meta in pool_metadata(balancer).items():
+    for sid, meta in balancer.metadata().items():
         url = health_url(meta, path)
         if url:
             targets[sid] = url

@@ -20,7 +20,7 @@ from .. import dp
 from ..engine import EngineLoad
 from ..engine_metrics import Unusable, fetch, metrics_url, parse
 from ..errors import RedisUnavailable
-from .common import Balancer, CliError, open_balancer, pool_metadata
+from .common import Balancer, CliError, open_balancer
 
 # A replica's metrics URL, and its data-parallel rank when it is one rank of a server.
 Target = tuple[str, int | None]
@@ -62,7 +62,7 @@ def targets(balancer: Balancer, path: str) -> dict[str, Target]:
     """The replicas to scrape: their metrics URLs, and the data-parallel rank of a replica
     routed per rank (its ranks share one endpoint, whose figures are labelled by rank)."""
     found: dict[str, Target] = {}
-    for sid, value in pool_metadata(balancer).items():
+    for sid, value in balancer.metadata().items():
         url = metrics_url(value, path)
         if url:
             rank = value.get(dp.DP_RANK) if isinstance(value, dict) else None
