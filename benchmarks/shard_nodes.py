@@ -19,6 +19,14 @@ script calls per pair (what noise cannot move: a pair is 2, a new session's dire
 adds 1/``turns``, the publisher a few per 0.1 s). Where
 the primaries share fewer cores than they are, a command's elapsed time grows when its process
 is preempted; the CPU column does not.
+
+Pacing (``--period``, µs per pair): on a machine whose cores are shared, a call's server time
+depends on how long the server idled before it (its caches go cold): the same balancer's pairs
+cost 20-30 % more Redis time when its client does ~100 µs more work between calls. A sharded
+pool's client does more per pair than an unsharded one's (its directory lookup, its generator),
+so back to back (``--period 0``) the comparison charges the pool for its client's pace. Paced,
+every pool's pairs start at the same period, so each server sees the same gaps; a pool whose
+client cannot keep the pace is reported (``late``).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import argparse
 import contextlib
 import statistics
 import sys
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -102,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         help="every pool on one server (no Cluster): the pools' own cost, without the cost of "
         "spreading calls over processes that share the machine's cores",
     )
+    ap.add_argument(
+        "--period",
+        type=float,
+        default=1000.0,
+        help="µs from one pair's start to the next (default 1000; 0: back to back)",
+    )
     ap.add_argument("--server-bin", help="redis-server / valkey-server to start (7+)")
     args = ap.parse_args(argv)
     binary = _binary(args.server_bin)
@@ -121,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         skew: dict[int, list[float]] = {k: [] for k in SHARDS}
         cpu_pair: dict[int, list[float]] = {k: [] for k in SHARDS}
         calls_pair: dict[int, list[float]] = {k: [] for k in SHARDS}
+        late_pairs: dict[int, list[float]] = {k: [] for k in SHARDS}
         for _ in range(args.rounds):
             for k in SHARDS:  # one pool at a time: no other pool's publisher meanwhile
                 pool, where[k] = make_pool(k, servers, url, ranges)
@@ -131,10 +147,17 @@ def main(argv: list[str] | None = None) -> int:
                     before, cpu_before = spent(nodes), cpu(nodes)
                     calls_before = spent(nodes, "calls")
                     rid = ""
+                    period, late, start = args.period / 1e6, 0, time.perf_counter()
                     for p in range(args.pairs):
                         if p % args.turns == 0:
                             rid = uuid.uuid4().hex
                         pool.release_server(pool.acquire_server(rid)[0], rid)
+                        if period:
+                            wait = start + (p + 1) * period - time.perf_counter()
+                            if wait > 0:
+                                time.sleep(wait)
+                            else:
+                                late += 1
                     settle(pool)
                     used = [a - b for a, b in zip(spent(nodes), before, strict=True)]
                     burnt = [a - b for a, b in zip(cpu(nodes), cpu_before, strict=True)]
@@ -144,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                     pool.close()
                 cpu_pair[k].append(sum(burnt) / args.pairs)
                 calls_pair[k].append(calls / args.pairs)
+                late_pairs[k].append(late / args.pairs)
                 per_pair[k].append(sum(used) / args.pairs)
                 skew[k].append(max(used) / (sum(used) / len(used)))
     base = per_pair[1]
@@ -151,12 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{binary.label}, {where_}; {REPLICAS} replicas; "
         f"{args.pairs} pairs per pool and round, sessions of {args.turns} turn(s), "
-        f"{args.rounds} rounds, medians"
+        f"{args.rounds} rounds, medians; "
+        + (f"a pair every {args.period:g} us" if args.period else "pairs back to back")
     )
     print(
         f"{'K':>2s} {'shards per primary':>18s} {'directory':>9s} {'us/pair, all':>13s} "
         f"{'x K=1':>6s} {'max/mean':>9s} {'CPU us/pair, all':>17s} {'x K=1':>6s} "
-        f"{'calls/pair':>10s}"
+        f"{'calls/pair':>10s} {'late':>5s}"
     )
     for k, values in per_pair.items():
         shards, directory = where[k]
@@ -169,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{'-' if directory is None else directory:>9} {statistics.median(values):13.1f} "
             f"{ratio:6.2f} {statistics.median(skew[k]):9.2f} "
             f"{statistics.median(burnt):17.1f} {cpu_ratio:6.2f} "
-            f"{statistics.median(calls_pair[k]):10.2f}"
+            f"{statistics.median(calls_pair[k]):10.2f} {max(late_pairs[k]):5.0%}"
         )
     return 0
 

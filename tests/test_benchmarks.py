@@ -278,7 +278,7 @@ def test_shard_nodes_measures_sharded_pools_one_shard_per_primary_in_turn():
     turn (K = 3: one each; K = 6: two each), the unsharded pool on one primary (max/mean 3);
     every figure finite; a pair is 2 script calls, and a sharded pool's sessions of 4 turns
     add a directory call per new session (a quarter per pair; its publisher adds a few calls
-    per 0.1 s, however long the run takes)."""
+    per 0.1 s, however long the run takes); the share of pairs that missed the pace."""
     out = _on_functions_server("shard_nodes", "--pairs", "200", "--rounds", "1", "--turns", "4")
     rows = {}
     for ln in out.splitlines()[2:]:
@@ -289,7 +289,8 @@ def test_shard_nodes_measures_sharded_pools_one_shard_per_primary_in_turn():
     assert rows[6][0] == "[2,2,2]"
     assert rows[1][1] == "-" and rows[3][1] in ("0", "1", "2")
     for values in rows.values():
-        assert all(math.isfinite(float(v)) and float(v) > 0 for v in values[2:])
+        assert all(math.isfinite(float(v)) and float(v) > 0 for v in values[2:8])
+        assert 0 <= float(values[8].removesuffix("%")) <= 100  # pairs that missed the pace
     assert float(rows[1][4]) == 3.0
     assert 2.0 <= float(rows[1][7]) < 2.1
     for k in (3, 6):
