@@ -217,6 +217,8 @@ class AsyncRedisLoadBalancer(BalancerBase):
         # Releases posted and not yet answered, awaited by close().
         self._posted: set[asyncio.Future[bool]] = set()
         self._tasks: set[asyncio.Future[None]] = set()  # background sends, referenced
+        # The last release sent the ordinary way: the next one goes after it (_release_later).
+        self._last_ordinary: asyncio.Future[None] | None = None
         # The event loop the client's connections, the keeper and the coalescers belong to.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._core.on_acquire = self._keep_alive
@@ -268,6 +270,7 @@ class AsyncRedisLoadBalancer(BalancerBase):
             )
             self._scripts = Sender(self._client)
         self._make_coalescers()
+        self._last_ordinary = None  # the old loop's, if any, is not awaited from this one
         if self._setup is not None and not self._setup.done():
             self._setup = None  # it was left behind on the old loop: set up again
         self._keeper = None  # the old loop's keeper stops when it sees it is not wanted
@@ -651,8 +654,13 @@ class AsyncRedisLoadBalancer(BalancerBase):
                 continue
             pipe = self._pipe
             handle = functools.partial(self._release_answered, op, call, futures)
-            if pipe is None or not pipe.write_then(call, handle):
-                self._later(self._release_ordinary(op, call, futures))
+            last = self._last_ordinary
+            if (
+                pipe is None
+                or (last is not None and not last.done())  # releases before it go first
+                or not pipe.write_then(call, handle)
+            ):
+                self._release_later(op, call, futures)
 
     def _release_answered(
         self, op: Op[list[bool]], call: Call, futures: list[asyncio.Future[bool]], reply: Any
@@ -667,10 +675,27 @@ class AsyncRedisLoadBalancer(BalancerBase):
                 return
             # A broken connection, or an error reply: sent again the ordinary way (the
             # release's operation ids make a second copy end nothing more).
-            self._later(self._release_ordinary(op, call, futures))
+            self._release_later(op, call, futures)
             return
         _released(op, reply, futures)
         self._settled(futures)
+
+    def _release_later(
+        self, op: Op[list[bool]], call: Call, futures: list[asyncio.Future[bool]]
+    ) -> None:
+        """Send a release the ordinary way once every release sent that way before it has
+        been answered. The client's pooled connections keep no order between them, and the
+        releases of one process must reach Redis in the order they were made, as on the pipe:
+        of two releases of one lease (by token, then by replica), the first ends it, and when
+        the pipe's connection breaks with both unanswered, both are sent again this way."""
+        before = self._last_ordinary
+
+        async def in_turn() -> None:
+            if before is not None and not before.done():
+                await asyncio.wait({before})
+            await self._release_ordinary(op, call, futures)
+
+        self._last_ordinary = self._later(in_turn())
 
     async def _release_ordinary(
         self, op: Op[list[bool]], call: Call, futures: list[asyncio.Future[bool]]
@@ -687,10 +712,11 @@ class AsyncRedisLoadBalancer(BalancerBase):
         _released(op, reply, futures)
         self._settled(futures)
 
-    def _later(self, work: Awaitable[None]) -> None:
+    def _later(self, work: Awaitable[None]) -> asyncio.Future[None]:
         task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def _post_done(self, result: bool) -> AsyncReleased:
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()

@@ -177,5 +177,55 @@ def test_calls_of_one_turn_reach_redis_in_the_order_they_were_made(server, r, re
     asyncio.run(main())
 
 
+def test_releases_sent_again_when_the_connection_dies_reach_redis_in_the_order_made(
+    server, r, reader
+):
+    # Three releases, each its own call, on a connection the server has just closed: each is
+    # sent again through the client's pool, whose connections keep no order between them, and
+    # the first resend is slowed down. They still run in the order they were made (SLOWLOG
+    # logs every command here, in the order it ran).
+    async def main() -> None:
+        async with AsyncRedisLoadBalancer(SERVERS, redis=server.url, name="resent") as lb:
+            await lb.release_server((await lb.acquire_server("warm"))[0], "warm")
+            assert _reads_with(lb) == reader
+            leases = [await lb.acquire(f"q{i}") for i in range(3)]
+            ordinary, sent = lb._exec, []
+
+            async def first_one_slow(call: object) -> object:
+                sent.append(call)
+                if len(sent) == 1:
+                    await asyncio.sleep(0.3)
+                return await ordinary(call)  # type: ignore[arg-type]
+
+            lb._exec = first_one_slow  # type: ignore[method-assign]
+            r.client_kill_filter(_type="normal", skipme=True)
+            r.config_set("slowlog-log-slower-than", 0)
+            r.slowlog_reset()
+            ends = []
+            for lease in leases:
+                ends.append(lease.release())
+                await asyncio.sleep(0)  # written in this turn: a call of its own
+            assert all(await asyncio.wait_for(asyncio.gather(*ends), 30))
+            assert len(sent) == 3  # each went again the ordinary way
+            ran = [_command(entry) for entry in reversed(r.slowlog_get(128))]
+            order = [
+                next(i for i, command in enumerate(ran) if lease.token in command)
+                for lease in leases
+            ]
+            assert order == sorted(order), ran
+            assert set(invariants.check(r, "resent").values()) == {0}
+
+    try:
+        asyncio.run(main())
+    finally:
+        r.config_set("slowlog-log-slower-than", 10000)
+
+
+def _command(entry: dict) -> str:
+    """A SLOWLOG entry's command line (redis-py gives it as bytes, whatever the client)."""
+    command = entry["command"]
+    return command.decode() if isinstance(command, bytes) else str(command)
+
+
 async def _released(lease: object) -> bool:
     return bool(await lease.release())  # type: ignore[attr-defined]
