@@ -69,9 +69,21 @@ def test_quick_run_reports_every_router_and_workload(server, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_rl_trade_reports_every_row_and_the_targets(server, capsys):
+def test_rl_trade_reports_every_row_and_moves_sessions_only_with_a_margin_or_the_gate(
+    server, capsys, monkeypatch
+):
     """Virtual time and a seeded tie-break: the run is deterministic, so its figures are
-    checked, not only its structure."""
+    checked, not only its structure. The rows printed are kept (one run serves both)."""
+    from redis_router.tools import simulate_rl
+
+    ran: list[list[simulate_rl.Row]] = []
+    run_all = simulate_rl.run_all
+
+    def kept(*args, **kwargs):
+        ran.append(run_all(*args, **kwargs))
+        return ran[-1]
+
+    monkeypatch.setattr(simulate_rl, "run_all", kept)
     assert simulate.main(["--rl", "--quick", "--redis", server.url]) == 0
     printed = capsys.readouterr().out
     for row in ("sticky only", "global gate 2/1.5", "margin 2", "groups, cap 8", "prefix-cache",
@@ -90,6 +102,25 @@ def test_rl_trade_reports_every_row_and_the_targets(server, capsys):
     assert "the best hit rate among the rows within 1.05x the work bound" in printed or (
         "no row ends within 1.05x the work bound" in printed
     )
+
+    assert len(ran) == 1
+    rows = {(r.workload, r.row): r for r in ran[0]}
+    assert rows[("agent", "sticky only")].reprefilled == 0
+    assert rows[("agent", "margin 2")].repins > 0
+    assert (
+        rows[("agent", "global gate 2/1.5")].reprefilled > rows[("agent", "margin 4")].reprefilled
+    )
+    for r in rows.values():
+        assert 0.0 <= r.hit_rate <= 1.0 and r.makespan > 0
+        # no replica does more than CAPACITY units a second: the work bound is a lower bound
+        assert r.lo and r.hi and r.lo.bound_ratio >= 1.0
+        assert r.lo.makespan <= r.makespan <= r.hi.makespan
+        # the longest session's own chain is a floor under every run's step time
+        assert 0 < r.chain_ratio <= r.bound_ratio
+    assert rows[("grpo", "groups, cap 8")].hit_rate > rows[("grpo", "sticky only")].hit_rate
+    # remaining work without a margin moves nothing: what it changes is where sessions start
+    assert rows[("agent", "least-tokens, remaining work (session's output)")].repins == 0
+    assert simulate_rl.sparse_balance(server.url, 1) >= 1.0  # the busiest is at least the mean
 
 
 def test_rl_oracles_bound_what_balance_and_order_reach():
@@ -131,29 +162,6 @@ def test_rl_engines_that_prioritise_long_sessions_serve_them_first():
     assert sum(sim._rates(running, todo, counts, kv, True).values()) == pytest.approx(
         sim.CAPACITY / 2
     )
-
-
-@pytest.mark.slow
-def test_rl_trade_moves_sessions_only_with_a_margin_or_the_gate(server):
-    from redis_router.tools import simulate_rl
-
-    rows = {(r.workload, r.row): r for r in simulate_rl.run_all(server.url, quick=True)}
-    assert rows[("agent", "sticky only")].reprefilled == 0
-    assert rows[("agent", "margin 2")].repins > 0
-    assert (
-        rows[("agent", "global gate 2/1.5")].reprefilled > rows[("agent", "margin 4")].reprefilled
-    )
-    for r in rows.values():
-        assert 0.0 <= r.hit_rate <= 1.0 and r.makespan > 0
-        # no replica does more than CAPACITY units a second: the work bound is a lower bound
-        assert r.lo and r.hi and r.lo.bound_ratio >= 1.0
-        assert r.lo.makespan <= r.makespan <= r.hi.makespan
-        # the longest session's own chain is a floor under every run's step time
-        assert 0 < r.chain_ratio <= r.bound_ratio
-    assert rows[("grpo", "groups, cap 8")].hit_rate > rows[("grpo", "sticky only")].hit_rate
-    # remaining work without a margin moves nothing: what it changes is where sessions start
-    assert rows[("agent", "least-tokens, remaining work (session's output)")].repins == 0
-    assert simulate_rl.sparse_balance(server.url, 1) >= 1.0  # the busiest is at least the mean
 
 
 def test_rl_remaining_work_estimates_and_renewals(server, monkeypatch):
