@@ -26,26 +26,12 @@ class AsyncShardedLoadBalancer(ShardedBase):
     arguments, methods are coroutines). The layout is read (or written) by the first call,
     which makes the shards' balancers."""
 
+    _balancer = AsyncRedisLoadBalancer
     _shards: list[AsyncRedisLoadBalancer]
+    _dir: AsyncRedisLoadBalancer
 
-    def __init__(
-        self,
-        servers: Mapping[str, Any] | None = None,
-        *,
-        shards: int | None = None,
-        redis: Any = None,
-        name: str = "default",
-        router_kwargs: Mapping[str, Any] | None = None,
-        **options: Any,
-    ) -> None:
-        redis, router_kwargs = self._setup(shards, name, redis, router_kwargs)
-        if router_kwargs:
-            options["router_kwargs"] = router_kwargs
-        self._dir = AsyncRedisLoadBalancer(redis=redis, name=self.name, **options)
-        self.url = self._dir.url
-        self._options = {k: v for k, v in options.items() if k != "max_connections"}
-        self._attach(self._dir._core)
-        self._initial = dict(servers) if servers else {}
+    def _begin(self, servers: dict[str, Any]) -> None:
+        self._initial = servers
         capacities(self._initial, None)  # checked now, registered by the first call
         self._ready: asyncio.Future[None] | None = None
         self._publisher: asyncio.Future[None] | None = None
@@ -91,9 +77,6 @@ class AsyncShardedLoadBalancer(ShardedBase):
         if self._initial:
             await self._run(self._add(self._initial, None))
             self._initial = {}
-
-    def _shard(self, name: str) -> AsyncRedisLoadBalancer:
-        return AsyncRedisLoadBalancer(redis=self._dir._client, name=name, **self._options)
 
     def _publish_from_now(self) -> None:
         if self._publisher is None:

@@ -32,32 +32,11 @@ class ShardedLoadBalancer(ShardedBase):
     :class:`~redis_router.RedisLoadBalancer`'s, for the pool as one. See docs/sharding.md.
     """
 
+    _balancer = RedisLoadBalancer
     _shards: list[RedisLoadBalancer]
+    _dir: RedisLoadBalancer
 
-    def __init__(
-        self,
-        servers: Mapping[str, Any] | None = None,
-        *,
-        shards: int | None = None,
-        redis: Any = None,
-        name: str = "default",
-        router_kwargs: Mapping[str, Any] | None = None,
-        **options: Any,
-    ) -> None:
-        """``shards``: how many (2-256; the first process fixes it; also read from
-        ``router_kwargs``, as a YAML router config gives it; None joins an existing pool
-        with the shards it has). ``name``: the pool's (its
-        directory's keys; shard i is the balancer ``<name>/shard-<n>``). Every other option
-        is :class:`~redis_router.RedisLoadBalancer`'s, given to each shard."""
-        redis, router_kwargs = self._setup(shards, name, redis, router_kwargs)
-        if router_kwargs:
-            options["router_kwargs"] = router_kwargs
-        # The directory's calls run through a balancer on the pool's own name: its keys are
-        # the directory's, and it never acquires (so it never sends a heartbeat).
-        self._dir = RedisLoadBalancer(redis=redis, name=self.name, **options)
-        self.url = self._dir.url
-        self._options = {k: v for k, v in options.items() if k not in self._dir._client_options}
-        self._attach(self._dir._core)
+    def _begin(self, servers: dict[str, Any]) -> None:
         self._publisher: keeper.ThreadKeeper | None = None
         self._drive(self._join())
         if servers:
@@ -79,9 +58,6 @@ class ShardedLoadBalancer(ShardedBase):
         if on_cluster(client):
             return cluster_primaries(client.cluster_slots())
         return []
-
-    def _shard(self, name: str) -> RedisLoadBalancer:
-        return RedisLoadBalancer(redis=self._dir._client, name=name, **self._options)
 
     def _publish_from_now(self) -> None:
         if self._publisher is None:

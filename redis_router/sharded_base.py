@@ -7,7 +7,7 @@ and do nothing else (as the balancers run :mod:`redis_router.core`'s operations)
 from __future__ import annotations
 
 from collections.abc import Generator, Mapping, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from redis import exceptions as rx
 
@@ -73,10 +73,47 @@ class ShardedBase:
     """What both flavours of the sharded pool share: the arguments, what this process
     remembers (the layout, replicas' homes, sessions' shards), and every operation."""
 
+    # The balancer class of this flavour: the directory's, and each shard's.
+    _balancer: ClassVar[type]
     _k: int
     _shards: list[Any]  # the shards' balancers, in the layout's order
     _homes: dict[str, int]  # replica id -> home shard, as this process last read them
     url: str
+
+    def __init__(
+        self,
+        servers: Mapping[str, Any] | None = None,
+        *,
+        shards: int | None = None,
+        redis: Any = None,
+        name: str = "default",
+        router_kwargs: Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
+        """``shards``: how many (2-256; the first process fixes it; also read from
+        ``router_kwargs``, as a YAML router config gives it; None joins an existing pool
+        with the shards it has). ``name``: the pool's (its directory's keys; shard i is the
+        balancer ``<name>/shard-<n>``). Every other option is the flavour's balancer's, given
+        to each shard; ``servers`` are registered on their homes."""
+        redis, router_kwargs = self._setup(shards, name, redis, router_kwargs)
+        if router_kwargs:
+            options["router_kwargs"] = router_kwargs
+        # The directory's calls run through a balancer on the pool's own name: its keys are
+        # the directory's, and it never acquires (so it never sends a heartbeat).
+        self._dir = self._balancer(redis=redis, name=self.name, **options)
+        self.url = self._dir.url
+        # The shards share the directory's client: options that make a client are not theirs.
+        self._options = {k: v for k, v in options.items() if k != "max_connections"}
+        self._core = self._dir._core
+        self._directory = Directory.of(self.name, self._core.sticky_ttl)
+        self._sessions = Remembered(self._directory.fresh_for)
+        self._homes = {}
+        self._shards = []
+        self._begin(dict(servers) if servers else {})
+
+    def _begin(self, servers: dict[str, Any]) -> None:
+        """Join the pool and register ``servers`` (now, or on the first call)."""
+        raise NotImplementedError
 
     def _setup(
         self, shards: object, name: object, redis: Any, router_kwargs: Mapping[str, Any] | None
@@ -96,17 +133,9 @@ class ShardedBase:
             redis = rest.pop("redis")
         return redis, rest
 
-    def _attach(self, core: Any) -> None:
-        """Take the directory balancer's core: the options every shard shares."""
-        self._core = core
-        self._directory = Directory.of(self.name, core.sticky_ttl)
-        self._sessions = Remembered(self._directory.fresh_for)
-        self._homes = {}
-        self._shards = []
-
     def _shard(self, name: str) -> Any:
         """A balancer of this flavour for the shard ``name``, on the directory's client."""
-        raise NotImplementedError
+        return self._balancer(redis=self._dir._client, name=name, **self._options)
 
     def _publish_from_now(self) -> None:
         """Start publishing the shards' totals (the first placement does)."""
