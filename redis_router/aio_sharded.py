@@ -204,16 +204,21 @@ class AsyncShardedLoadBalancer(ShardedBase):
         return await self._drive(self._sum_each("reap"))
 
     async def destroy(self) -> int:
+        """See ShardedLoadBalancer.destroy."""
+        await self._stop_publishing()
         return await self._drive(self._destroy(self._dir._core.destroy()))
 
     # -- lifetime --------------------------------------------------------------------------
 
-    async def close(self) -> None:
-        """Close every shard (their leases end) and the directory's connection."""
+    async def _stop_publishing(self) -> None:
         stopping, self._publisher = self._publisher, None
         if stopping is not None:
             stopping.cancel()
             await asyncio.wait({stopping}, timeout=KEEPER_STOP_TIMEOUT)
+
+    async def close(self) -> None:
+        """Close every shard (their leases end) and the directory's connection."""
+        await self._stop_publishing()
         for b in self._shards:
             await b.close()
         await self._dir.close()

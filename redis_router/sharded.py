@@ -190,16 +190,22 @@ class ShardedLoadBalancer(ShardedBase):
         return self._drive(self._sum_each("reap"))
 
     def destroy(self) -> int:
-        """Delete every key of the pool: each shard's, then the directory's."""
+        """Delete every key of the pool: each shard's, then the directory's. Publishing stops
+        first, as a period run after the delete would write the shards' totals again (the
+        next placement starts it again)."""
+        self._stop_publishing()
         return self._drive(self._destroy(self._dir._core.destroy()))
 
     # -- lifetime --------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Close every shard (their leases end) and the directory's connection."""
+    def _stop_publishing(self) -> None:
         stopping, self._publisher = self._publisher, None
         if stopping is not None:
             stopping.stop()
+
+    def close(self) -> None:
+        """Close every shard (their leases end) and the directory's connection."""
+        self._stop_publishing()
         for b in self._shards:
             b.close()
         self._dir.close()

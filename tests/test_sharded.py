@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import itertools
 import threading
 import time
@@ -25,6 +26,7 @@ from redis_router.local_server import LocalServer
 from redis_router.sharded import ShardedLoadBalancer
 from redis_router.shards import (
     MAX_NAME,
+    PUBLISH_EVERY,
     cluster_primaries,
     shard_names,
     slot_of,
@@ -411,8 +413,32 @@ def test_destroy_deletes_every_key_of_the_pool(
     for i in range(10):
         pool.acquire_server(f"s{i}")
     assert r.keys("*")
+    # The publisher (started by the first placement) is made slow reading a shard's total,
+    # and the pool destroyed while it reads: what it read must not be written afterwards.
+    shard, reading, slow = getattr(pool, "pool", pool)._shards[0], threading.Event(), 0.5
+    real = shard.get_total_inflight
+    if inspect.iscoroutinefunction(real):
+
+        async def held() -> int:
+            reading.set()
+            await asyncio.sleep(slow)
+            return int(await real())
+    else:
+
+        def held() -> int:
+            reading.set()
+            time.sleep(slow)
+            return int(real())
+
+    shard.get_total_inflight = held
+    deadline = time.monotonic() + 10
+    while not reading.is_set():
+        assert time.monotonic() < deadline, "the publisher never read a shard's total"
+        pool.idle(0.02)
     assert pool.destroy() > 0
     assert r.keys("*") == []
+    pool.idle(2 * slow + 3 * PUBLISH_EVERY)
+    assert r.keys(f"rr:{{{pool.name}}}:*") == []  # the directory's (no keeper writes there)
 
 
 @both

@@ -143,7 +143,8 @@ def test_shards_spread_over_the_primaries_and_route(cluster: LocalCluster) -> No
         assert lb.get_total_inflight() == 0
         assert lb.destroy() > 0
     for balancer in [*lb.shard_names, name]:
-        assert all(not keys for keys in _keys_by_primary(cluster, balancer).values())
+        left = _keys_by_primary(cluster, balancer)
+        assert all(not keys for keys in left.values()), (balancer, left)
 
 
 def test_the_asyncio_pool_places_its_shards_and_routes_the_same(cluster: LocalCluster) -> None:
