@@ -862,9 +862,8 @@ class AsyncRedisLoadBalancer(BalancerBase):
         release goes out whether or not anyone awaits it, and close() waits for it.
         ``failed=True``: the request failed (see RedisLoadBalancer.release_server). After
         close(), a no-op whose result is False (see RedisLoadBalancer.close)."""
-        sid = validation.server_id(server_id)
-        rid = validation.request_id(request_id) if request_id is not None else None
-        return self._post(sid, rid, None, validation.flag(failed, "failed"))
+        sid, rid, bad = validation.release(server_id, request_id, failed)
+        return self._post(sid, rid, None, bad)
 
     # A plain method whose result is awaited: helpers that run blocking methods in a thread
     # (redis_router.client.call) must call it on the event loop.

@@ -12,7 +12,7 @@ from typing import Any
 
 from redis import exceptions as rx
 
-from . import keeper
+from . import keeper, validation
 from .aio import KEEPER_STOP_TIMEOUT, AsyncLease, AsyncRedisLoadBalancer, AsyncReleased
 from .coalesce import Coalescer
 from .core import run_steps_async
@@ -37,6 +37,8 @@ class AsyncShardedLoadBalancer(ShardedBase):
         self._publisher: asyncio.Future[None] | None = None
         # New sessions placed in one loop turn share one directory call (redis_router.coalesce).
         self._placer: Coalescer[str, int] = Coalescer(self._place_batch)
+        # Releases on replicas this process had not seen, waiting for the layout.
+        self._looking_up: set[asyncio.Future[bool]] = set()
 
     # -- driving the operations ------------------------------------------------------------
 
@@ -146,14 +148,22 @@ class AsyncShardedLoadBalancer(ShardedBase):
         **fields: Any,
     ) -> AsyncReleased:
         """See ShardedLoadBalancer.release_server. Not a coroutine (as
-        AsyncRedisLoadBalancer's): the replica's home is the one this process knows, from
-        the layout it read or the grant that named the replica."""
-        if not self._shards:
-            raise NoServersAvailable(
-                f"sharded pool {self.name!r}: nothing was acquired through this balancer yet"
-            )
-        b = self._shards[self._home(server_id)]
-        return b.release_server(server_id, request_id, failed=failed, **fields)
+        AsyncRedisLoadBalancer's): on a replica whose home this process knows (from the
+        layout it read, or a grant that named it) the release is queued at once, in order
+        with this process's other releases; on one it has not seen, it goes once the layout
+        is read, as in the blocking pool."""
+        sid, rid, bad = validation.release(server_id, request_id, failed)
+        if self._shards and self._knows(sid):
+            return self._shards[self._home(sid)].release_server(sid, rid, failed=bad, **fields)
+
+        async def once_the_home_is_known() -> bool:
+            b = self._shards[await self._drive(self._release_home(sid))]
+            return await b.release_server(sid, rid, failed=bad, **fields)
+
+        task = asyncio.ensure_future(once_the_home_is_known())
+        self._looking_up.add(task)  # held until done (close() waits for it)
+        task.add_done_callback(self._looking_up.discard)
+        return AsyncReleased(task)
 
     release_server.returns_awaitable = True  # type: ignore[attr-defined]
 
@@ -218,6 +228,8 @@ class AsyncShardedLoadBalancer(ShardedBase):
 
     async def close(self) -> None:
         """Close every shard (their leases end) and the directory's connection."""
+        if self._looking_up:  # releases waiting for the layout go first
+            await asyncio.wait(set(self._looking_up))
         await self._stop_publishing()
         for b in self._shards:
             await b.close()

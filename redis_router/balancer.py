@@ -378,9 +378,8 @@ class RedisLoadBalancer(BalancerBase):
         timeout reports the first one's result and ends nothing else; so is a release after
         close(), which ended this balancer's leases (nothing is sent).
         ``failed=True``: the request failed (passive health, see ``Lease.fail``)."""
-        sid = validation.server_id(server_id)
-        rid = validation.request_id(request_id) if request_id is not None else None
-        return self._post(self._core.release(sid, rid, None, validation.flag(failed, "failed")))
+        sid, rid, bad = validation.release(server_id, request_id, failed)
+        return self._post(self._core.release(sid, rid, None, bad))
 
     # -- the pool --------------------------------------------------------------------------
 

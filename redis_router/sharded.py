@@ -10,7 +10,7 @@ from typing import Any
 
 from redis import exceptions as rx
 
-from . import keeper
+from . import keeper, validation
 from .balancer import Lease, RedisLoadBalancer
 from .core import run_steps
 from .errors import NoServersAvailable
@@ -135,8 +135,9 @@ class ShardedLoadBalancer(ShardedBase):
         **fields: Any,
     ) -> Released[bool]:
         """As :meth:`RedisLoadBalancer.release_server`, on the replica's shard."""
-        b = self._shards[next(iter(self._drive(self._homes_of([server_id]))))]
-        return b.release_server(server_id, request_id, failed=failed, **fields)
+        sid, rid, bad = validation.release(server_id, request_id, failed)
+        b = self._shards[self._drive(self._release_home(sid))]
+        return b.release_server(sid, rid, failed=bad, **fields)
 
     # -- the pool --------------------------------------------------------------------------
 

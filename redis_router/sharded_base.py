@@ -319,12 +319,22 @@ class ShardedBase:
         """The replica's home shard as this process knows it (:func:`~.shards.home_of`)."""
         return home_of(self._homes, validation.server_id(server_id))
 
+    def _knows(self, server_id: str) -> bool:
+        """Whether this process knows the replica's home (a data-parallel rank's is its
+        replica's)."""
+        return server_id in self._homes or dp.replica_of(server_id)[0] in self._homes
+
     def _homes_of(self, server_ids: Sequence[str]) -> ShardedOp[dict[int, list[str]]]:
         """``server_ids`` by home shard; an id this process has not seen reads the layout."""
         ids = validation.server_ids(server_ids)
-        if any(s not in self._homes and dp.replica_of(s)[0] not in self._homes for s in ids):
+        if not all(self._knows(s) for s in ids):
             yield from self._refresh()
         return by_home(self._homes, ids)
+
+    def _release_home(self, server_id: str) -> ShardedOp[int]:
+        """The shard a release by replica goes to: the replica's home, read from the layout
+        when this process has not seen it (as for every other call naming a replica)."""
+        return next(iter((yield from self._homes_of([server_id]))))
 
     def _add(
         self, servers: Mapping[str, Any], capacity: Mapping[str, int] | None

@@ -155,6 +155,15 @@ def flag(value: object, arg: str) -> bool:
     return value
 
 
+def release(
+    server_id_: object, request_id_: object, failed: object
+) -> tuple[str, str | None, bool]:
+    """A release by replica's arguments (``release_server``), checked before anything is
+    looked up or sent."""
+    rid = request_id(request_id_) if request_id_ is not None else None
+    return server_id(server_id_), rid, flag(failed, "failed")
+
+
 # A lease's weight (a weighing policy's unit, e.g. tokens) travels as a Lua number (a double):
 # integers are exact far beyond any prompt or output length.
 MAX_WEIGHT = 2**40

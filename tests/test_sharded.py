@@ -241,6 +241,25 @@ def test_a_session_keeps_its_replica_from_any_process(
 
 
 @both
+def test_a_release_on_a_replica_this_process_has_not_seen_ends_on_its_home(
+    make_pool: Callable[..., Any], r: redis.Redis
+) -> None:
+    """As every call naming a replica, a release by replica reads the layout for one this
+    process has not seen (added by another since it joined), and ends the lease there."""
+    other = make_pool(shards=4)  # joined before any replica was added
+    first = make_pool(REPLICAS, shards=4, name=other.name)
+    where = {f"s{i}": first.acquire_server(f"s{i}")[0] for i in range(16)}
+    homes = {int(v.split()[0]) for v in r.hgetall(invariants.prefix(other.name) + "homes").values()}
+    assert len(homes) == 4  # the replicas' homes are on every shard, not only shard 0
+    for rid, sid in where.items():
+        assert other.release_server(sid, rid), (rid, sid)
+    assert check_shards(r, first) == 0
+    assert not other.release_server(where["s0"], "s0")  # released already: a no-op
+    with pytest.raises(ValueError, match="server_id must be a non-empty string"):
+        other.release_server("", "s0")
+
+
+@both
 def test_a_grpo_group_is_placed_as_one(make_pool: Callable[..., Any], r: redis.Redis) -> None:
     pool = make_pool(REPLICAS, shards=4, groups={"by": "-"})
     for prompt in range(6):
