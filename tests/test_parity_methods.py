@@ -4,8 +4,10 @@ Each scenario is written once, as a list of steps on a balancer. It runs on a
 ``RedisLoadBalancer`` and on an ``AsyncRedisLoadBalancer``, each under a fresh name on the same
 server with the same seeded tie-break entropy, and every step's outcome (its normalised result,
 or its exception's class and message) is recorded. The two traces must be equal, step by step,
-and so must the pools' states afterwards. Every public method of the two classes is driven by
-at least one scenario (a test checks that list against the classes).
+and so must the pools' states afterwards. The sharded pool's two flavours
+(``ShardedLoadBalancer``, ``AsyncShardedLoadBalancer``) run the same scenarios, and those of
+their own. Every public method of each pair is driven by at least one scenario (a test checks
+that list against the classes).
 """
 
 from __future__ import annotations
@@ -21,16 +23,34 @@ import pytest
 
 from redis_router import AsyncRedisLoadBalancer, RedisLoadBalancer
 from redis_router.aio import AsyncLease, AsyncReleased
+from redis_router.aio_sharded import AsyncShardedLoadBalancer
 from redis_router.balancer import Lease
 from redis_router.engine import EngineLoad
 from redis_router.errors import RedisUnavailable
 from redis_router.local_server import LocalServer
 from redis_router.outbox import Released
+from redis_router.sharded import ShardedLoadBalancer
 
 from .invariants import check
 from .test_outage import DropReplyProxy, script_verb
 
 SEED = 20261205
+SHARDS = 3
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A blocking class and its asyncio twin, with what both constructors take besides."""
+
+    sync: type
+    asyncio: type
+    options: dict[str, Any]
+
+
+PAIRS = {
+    "balancer": Pair(RedisLoadBalancer, AsyncRedisLoadBalancer, {}),
+    "sharded": Pair(ShardedLoadBalancer, AsyncShardedLoadBalancer, {"shards": SHARDS}),
+}
 
 
 class Driver:
@@ -88,8 +108,13 @@ def _raised(exc: Exception) -> tuple[str, str, str]:
 
 
 def _message(exc: Exception) -> str:
-    # A balancer's name is part of some messages; the two runs use different names.
-    return str(exc).replace("parity-sync", "NAME").replace("parity-async", "NAME")
+    return _named(str(exc))
+
+
+def _named(text: str) -> str:
+    # A balancer's name is part of some messages and results (a shard's name holds its
+    # pool's); the two runs use different names.
+    return text.replace("parity-sync", "NAME").replace("parity-async", "NAME")
 
 
 async def normalise(out: Any) -> Any:
@@ -101,8 +126,10 @@ async def normalise(out: Any) -> Any:
         return ("released", await out)
     if isinstance(out, Released):
         return ("released", out.result())
+    if isinstance(out, str):
+        return _named(out)
     if isinstance(out, dict):
-        return {k: await normalise(v) for k, v in out.items() if k not in _CLOCKS}
+        return {_named(k): await normalise(v) for k, v in out.items() if k not in _CLOCKS}
     if isinstance(out, (list, tuple)):
         return [await normalise(v) for v in out]
     return out
@@ -114,13 +141,21 @@ _CLOCKS |= {"last_error_at", "last_error_age", "unheard_ms"}
 
 Scenario = Callable[[Driver], Awaitable[None]]
 SCENARIOS: dict[str, tuple[dict[str, Any], Scenario]] = {}
-DRIVEN: set[str] = set()
+# Per pair, the scenarios it runs and the methods they drive.
+RUNS: dict[str, list[str]] = {pair: [] for pair in PAIRS}
+DRIVEN: dict[str, set[str]] = {pair: set() for pair in PAIRS}
 
 
-def scenario(*methods: str, **options: Any) -> Callable[[Scenario], Scenario]:
+def scenario(
+    *methods: str, pairs: tuple[str, ...] = tuple(PAIRS), **options: Any
+) -> Callable[[Scenario], Scenario]:
+    """A scenario of the pairs named (every pair unless told), driving ``methods``."""
+
     def register(fn: Scenario) -> Scenario:
         SCENARIOS[fn.__name__] = (options, fn)
-        DRIVEN.update(methods)
+        for pair in pairs:
+            RUNS[pair].append(fn.__name__)
+            DRIVEN[pair].update(methods)
         return fn
 
     return register
@@ -281,6 +316,22 @@ async def after_close(d: Driver) -> None:
     await d.step("status after close", "get_status")
 
 
+@scenario("grow", pairs=("sharded",))
+async def growing_the_pool(d: Driver) -> None:
+    await d.step("add", "add_servers", {f"r{i}": None for i in range(3)})
+    for i in range(6):
+        await d.step(f"new {i}", "acquire_server", f"g{i}")
+    await d.step("grow", "grow", SHARDS + 2)
+    await d.step("grow again", "grow", SHARDS + 2)
+    await d.step("shrink", "grow", SHARDS)
+    await d.step("add after growing", "add_servers", {f"n{i}": None for i in range(4)})
+    for i in range(6):
+        await d.step(f"sticky {i}", "acquire_server", f"g{i}")
+    for i in range(6):
+        await d.step(f"new after {i}", "acquire_server", f"h{i}")
+    await d.step("status", "get_status")
+
+
 @scenario()
 async def empty_pool(d: Driver) -> None:
     await d.step("no replica", "acquire_server", "e1")
@@ -294,14 +345,20 @@ def _options(options: dict[str, Any]) -> dict[str, Any]:
     return {"rng": random.Random(SEED), **options}
 
 
-async def _run_async(url: str, fn: Scenario, options: dict[str, Any]) -> tuple[list, Any]:
-    lb = AsyncRedisLoadBalancer(redis=url, name="parity-async", **_options(options))
+async def _run(
+    pair: Pair, flavour: str, url: str, fn: Scenario, options: dict[str, Any]
+) -> tuple[list, Any]:
+    """One flavour of ``pair`` through the scenario: its trace and its pool's state after."""
+    cls = pair.sync if flavour == "sync" else pair.asyncio
+    lb = cls(redis=url, name=f"parity-{flavour}", **pair.options, **_options(options))
     d = Driver(lb)
     try:
         await fn(d)
         return d.trace, await _snapshot(d)
     finally:
-        await lb.close()
+        closed = lb.close()
+        if closed is not None:
+            await closed
 
 
 async def _snapshot(d: Driver) -> Any:
@@ -311,29 +368,42 @@ async def _snapshot(d: Driver) -> Any:
         return _raised(exc)
 
 
-async def _run_sync(url: str, fn: Scenario, options: dict[str, Any]) -> tuple[list, Any]:
-    lb = RedisLoadBalancer(redis=url, name="parity-sync", **_options(options))
-    d = Driver(lb)
-    try:
-        await fn(d)
-        return d.trace, await _snapshot(d)
-    finally:
-        lb.close()
+def _quiet_publishers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sharded pool places new sessions by the shards' totals its processes publish every
+    period; no period comes within a scenario, so both flavours place on the same figures
+    (the placements' own counts) and the traces do not depend on when a period fell."""
+    for module in ("redis_router.sharded", "redis_router.aio_sharded"):
+        monkeypatch.setattr(f"{module}.PUBLISH_EVERY", 3600.0)
 
 
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_both_flavours_give_the_same_results(server, r, name: str) -> None:
+CASES = [(pair, name) for pair, names in RUNS.items() for name in sorted(names)]
+
+
+@pytest.mark.parametrize(("pair", "name"), CASES, ids=[f"{p}-{n}" for p, n in CASES])
+def test_both_flavours_give_the_same_results(
+    server, r, monkeypatch: pytest.MonkeyPatch, pair: str, name: str
+) -> None:
+    _quiet_publishers(monkeypatch)
     options, fn = SCENARIOS[name]
-    sync_trace, sync_state = asyncio.run(_run_sync(server.url, fn, options))
-    async_trace, async_state = asyncio.run(_run_async(server.url, fn, options))
+    two = PAIRS[pair]
+    sync_trace, sync_state = asyncio.run(_run(two, "sync", server.url, fn, options))
+    async_trace, async_state = asyncio.run(_run(two, "async", server.url, fn, options))
     assert len(sync_trace) == len(async_trace)
     for (label, got_sync), (_, got_async) in zip(sync_trace, async_trace, strict=True):
         assert got_sync == got_async, f"step {label!r}: sync {got_sync!r} != asyncio {got_async!r}"
     assert sync_state == async_state
     # The scenarios are not vacuous: each raised or routed something.
     assert any(isinstance(v, list | tuple) and v and v[0] != "raised" for _, v in sync_trace)
-    check(r, "parity-sync")
-    check(r, "parity-async")
+    for name in ("parity-sync", "parity-async"):
+        for balancer in _balancers(r, name):  # the pool's own, or each of its shards'
+            check(r, balancer)
+
+
+def _balancers(r: Any, name: str) -> set[str]:
+    """The names of the balancers whose keys hold the pool ``name`` (a shard's name is the
+    pool's and a suffix)."""
+    keys = r.scan_iter(f"rr:{{{name}*", count=1000)
+    return {k.split("{", 1)[1].split("}", 1)[0] for k in keys}
 
 
 def _public(cls: type) -> set[str]:
@@ -344,11 +414,12 @@ def _public(cls: type) -> set[str]:
     }
 
 
-def test_every_public_method_of_both_flavours_is_driven() -> None:
-    methods = _public(RedisLoadBalancer)
-    assert methods == _public(AsyncRedisLoadBalancer)
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+def test_every_public_method_of_both_flavours_is_driven(pair: str) -> None:
+    methods = _public(PAIRS[pair].sync)
+    assert methods == _public(PAIRS[pair].asyncio)
     # require_*_fields are read in bad_input.
-    not_driven = methods - DRIVEN - {"require_acquire_fields", "require_release_fields"}
+    not_driven = methods - DRIVEN[pair] - {"require_acquire_fields", "require_release_fields"}
     assert not_driven == set()
 
 
@@ -369,7 +440,8 @@ class Env:
         return self.server.url if self.direct else f"redis://127.0.0.1:{self.proxy.port}/0"
 
     def lose_next_reply(self, d: Driver) -> None:
-        self.proxy.armed = script_verb(d.lb)
+        # (a sharded pool's shards and directory load their scripts the same way)
+        self.proxy.armed = script_verb(getattr(d.lb, "_dir", d.lb))
 
 
 FaultScenario = Callable[[Driver, Env], Awaitable[None]]
@@ -433,37 +505,41 @@ async def an_outage_fails_and_a_restart_is_seen(d: Driver, env: Env) -> None:
 DIRECT = {"an_outage_fails_and_a_restart_is_seen"}
 
 
-async def _run_fault(flavour: str, env: Env, fn: FaultScenario) -> list[tuple[str, Any]]:
-    name = "parity-sync" if flavour == "sync" else "parity-async"
-    if flavour == "sync":
-        lb: Any = RedisLoadBalancer(redis=env.url, name=name, rng=random.Random(SEED))
-    else:
-        lb = AsyncRedisLoadBalancer(redis=env.url, name=name, rng=random.Random(SEED))
+async def _run_fault(
+    pair: Pair, flavour: str, env: Env, fn: FaultScenario
+) -> list[tuple[str, Any]]:
+    cls = pair.sync if flavour == "sync" else pair.asyncio
+    lb = cls(redis=env.url, name=f"parity-{flavour}", **pair.options, **_options({}))
     d = Driver(lb)
     try:
         await fn(d, env)
     finally:
-        if flavour == "sync":
-            lb.close()
-        else:
-            await lb.close()
+        closed = lb.close()
+        if closed is not None:
+            await closed
     return d.trace
 
 
-@pytest.mark.parametrize("name", sorted(FAULT_SCENARIOS))
-def test_both_flavours_give_the_same_results_under_faults(private: LocalServer, name: str) -> None:
+FAULT_CASES = [(pair, name) for pair in PAIRS for name in sorted(FAULT_SCENARIOS)]
+
+
+@pytest.mark.parametrize(("pair", "name"), FAULT_CASES, ids=[f"{p}-{n}" for p, n in FAULT_CASES])
+def test_both_flavours_give_the_same_results_under_faults(
+    private: LocalServer, monkeypatch: pytest.MonkeyPatch, pair: str, name: str
+) -> None:
+    _quiet_publishers(monkeypatch)
     fn = FAULT_SCENARIOS[name]
     traces = {}
-    for flavour in ("sync", "asyncio"):
+    for flavour in ("sync", "async"):
         proxy = DropReplyProxy(private.port)
         try:
             with private.client() as c:
                 c.flushall()
             env = Env(private, proxy, direct=name in DIRECT)
-            traces[flavour] = asyncio.run(_run_fault(flavour, env, fn))
+            traces[flavour] = asyncio.run(_run_fault(PAIRS[pair], flavour, env, fn))
         finally:
             proxy.close()
-    for (label, got_sync), (_, got_async) in zip(traces["sync"], traces["asyncio"], strict=True):
+    for (label, got_sync), (_, got_async) in zip(traces["sync"], traces["async"], strict=True):
         assert got_sync == got_async, f"step {label!r}: sync {got_sync!r} != asyncio {got_async!r}"
     assert any(v[0] == "raised" for _, v in traces["sync"] if isinstance(v, tuple)) or (
         name != "an_outage_fails_and_a_restart_is_seen"
