@@ -742,7 +742,8 @@ class BalancerCore:
                     return HINT + mine
         if not token:
             return ""
-        self.held.pop(token, None)
+        if self.held.pop(token, None) is not None and not request_id:
+            self._forget(token)  # named by its token alone: its request is not known here
         self.releasing.add(token)
         return token
 
@@ -756,8 +757,22 @@ class BalancerCore:
     def _ended(self, outcome: Any) -> bool:
         """A release's outcome: True if a lease ended (its token, or 1 for a resent copy)."""
         if isinstance(outcome, (str, bytes)):  # a release by request or replica: its token
-            self.held.pop(_str(outcome), None)
+            token = _str(outcome)
+            if self.held.pop(token, None) is not None:
+                # A release that named none of this holder's leases (it held none there when
+                # it was made) ended one granted to it meanwhile.
+                self._forget(token)
         return bool(outcome != 0)
+
+    def _forget(self, token: str) -> None:
+        """``token`` left ``held`` other than by a release naming it: where it was the latest
+        lease of its request there, the one before it, still held, is the latest now (else a
+        later release would name the ended lease and leave that one counted)."""
+        latest = self.latest
+        for key, mine in latest.copy().items():
+            if mine == token and latest.get(key) == token:
+                latest.pop(key, None)
+                self._uncover(key)
 
     def release_many(
         self,

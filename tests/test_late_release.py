@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from redis_router import AsyncRedisLoadBalancer, NoCapacity, RedisLoadBalancer
-from redis_router.core import Call, new_operation
+from redis_router.core import Call, new_operation, run_steps
 from redis_router.scripts import load
 
 from . import invariants
@@ -177,3 +177,27 @@ def test_an_asyncio_process_late_releases_end_nothing(make_lb, server, r):
             _b_still_holds(b, r, placed)
 
     asyncio.run(main())
+
+
+def test_a_lease_granted_while_a_release_was_on_its_way_keeps_its_hint(make_lb, r):
+    """An asyncio process releases by replica only before it holds anything there, so the
+    release names no lease; its two acquires of one request there, in the same loop turn, run
+    first and are answered first. The release then ends the replica's oldest lease: both were
+    granted at one time, so the lower token, here the newer grant. The ledger must hand the
+    hint on to the lease the process still holds, so that its next release of the request
+    ends that one and none is left counted."""
+    lb = make_lb({"a": None})
+    core = lb._core
+    older, newer = "f" * 16, "0" * 15 + "1"
+    release = core.release("a", None)  # made now: nothing held there, so no hint
+
+    def acquired_first(call: Call) -> Any:
+        lb._run(core.acquire(["x", "x"], [older, newer]))  # one call: one time for both
+        return lb._exec(call)
+
+    assert run_steps(release, acquired_first) is True
+    assert invariants.check(r, lb.name) == {"a": 1}
+    assert r.hexists(invariants.prefix(lb.name) + "leases", older)
+    assert lb.release_server("a", "x").result()  # the one left, named by its hint
+    assert invariants.check(r, lb.name) == {"a": 0}
+    assert core.held == {} and core.latest == {} and core.earlier == {}
