@@ -2,7 +2,8 @@
 held every place is SIGKILLed, and a new process acquires once the dead holder's lease ttl
 has long passed. Every acquire method of both flavours reclaims the dead holder's places and
 routes (none raises NoCapacity), whatever its wait: the decision lives in one place
-(redis_router.core.admit)."""
+(redis_router.core.admit). The sharded pool's two flavours (two shards, a replica each) do
+the same."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from typing import Any
 
 import pytest
 
-from redis_router import AsyncRedisLoadBalancer, RedisLoadBalancer
+from redis_router import AsyncRedisLoadBalancer, RedisLoadBalancer, ShardedLoadBalancer
+from redis_router.aio_sharded import AsyncShardedLoadBalancer
+from redis_router.shards import shard_names
 
 from . import invariants
 
@@ -27,8 +30,12 @@ LEASE_TTL = 0.5
 
 HOLDER = """
 import sys, time
-from redis_router import RedisLoadBalancer
-lb = RedisLoadBalancer(redis=sys.argv[1], name=sys.argv[2], lease_ttl=float(sys.argv[3]))
+from redis_router import RedisLoadBalancer, ShardedLoadBalancer
+url, name, ttl, pair = sys.argv[1:5]
+if pair == "sharded":
+    lb = ShardedLoadBalancer(redis=url, name=name, lease_ttl=float(ttl), shards=2)
+else:
+    lb = RedisLoadBalancer(redis=url, name=name, lease_ttl=float(ttl))
 for i in range(2):
     lb.acquire_server(f"doomed-{i}")
 print("held", flush=True)
@@ -88,10 +95,17 @@ async def _many(lb: AsyncRedisLoadBalancer) -> list[str]:
     return [sid for sid, _ in await lb.acquire_many(["r0", "r1"])]
 
 
-def _killed_holder(url: str, name: str) -> None:
+# The two pairs of flavours: a balancer, and a pool of two shards (a replica each).
+PAIRS = {
+    "balancer": (RedisLoadBalancer, AsyncRedisLoadBalancer, {}),
+    "sharded": (ShardedLoadBalancer, AsyncShardedLoadBalancer, {"shards": 2}),
+}
+
+
+def _killed_holder(url: str, name: str, pair: str) -> None:
     """A worker process that takes both places, then is SIGKILLed."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, url, name, str(LEASE_TTL)],
+        [sys.executable, "-c", HOLDER, url, name, str(LEASE_TTL), pair],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -104,21 +118,31 @@ def _killed_holder(url: str, name: str) -> None:
             proc.stdout.close()
 
 
+def _counts(r: Any, name: str, pair: str) -> dict[str, int]:
+    """The pool's counts, summed over its shards' keys where it has shards (I1 on each)."""
+    out: dict[str, int] = {}
+    for balancer in shard_names(name, 2) if pair == "sharded" else [name]:
+        out.update(invariants.check(r, balancer))
+    return out
+
+
 @pytest.mark.parametrize("coalesce", [True, False], ids=["coalesced", "alone"])
-def test_both_flavours_reclaim_a_killed_holders_places_alike(server, r, coalesce):
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+def test_both_flavours_reclaim_a_killed_holders_places_alike(server, r, coalesce, pair):
+    sync_cls, async_cls, kw = PAIRS[pair]
     methods = sorted(SYNC)
     names = {(flavour, m): f"parity-{coalesce}-{flavour}-{m}" for flavour in "sa" for m in methods}
     for name in names.values():
-        with RedisLoadBalancer(redis=server.url, name=name, lease_ttl=LEASE_TTL) as setup:
+        with sync_cls(redis=server.url, name=name, lease_ttl=LEASE_TTL, **kw) as setup:
             setup.add_servers(SERVERS, capacity=CAPACITY)
-        _killed_holder(server.url, name)
+        _killed_holder(server.url, name, pair)
     for name in names.values():
-        assert invariants.check(r, name) == {"s0": 1, "s1": 1}  # both places held by the dead
+        assert _counts(r, name, pair) == {"s0": 1, "s1": 1}  # both places held by the dead
     time.sleep(3 * LEASE_TTL)  # its lease ttl has long passed: it is dead, not on probation
 
     results: dict[tuple[str, str], Any] = {}
     for m in methods:
-        lb = RedisLoadBalancer(redis=server.url, name=names["s", m], lease_ttl=LEASE_TTL)
+        lb = sync_cls(redis=server.url, name=names["s", m], lease_ttl=LEASE_TTL, **kw)
         try:
             results["s", m] = sorted(SYNC[m](lb))
         except Exception as exc:
@@ -128,8 +152,8 @@ def test_both_flavours_reclaim_a_killed_holders_places_alike(server, r, coalesce
 
     async def flavour_async() -> None:
         for m in methods:
-            lb = AsyncRedisLoadBalancer(
-                redis=server.url, name=names["a", m], lease_ttl=LEASE_TTL, coalesce=coalesce
+            lb = async_cls(
+                redis=server.url, name=names["a", m], lease_ttl=LEASE_TTL, coalesce=coalesce, **kw
             )
             try:
                 results["a", m] = sorted(await ASYNC[m](lb))
@@ -144,4 +168,4 @@ def test_both_flavours_reclaim_a_killed_holders_places_alike(server, r, coalesce
     }
     assert all(results["s", m] == ["s0", "s1"] for m in methods), results
     for name in names.values():
-        assert invariants.check(r, name) == {"s0": 0, "s1": 0}
+        assert _counts(r, name, pair) == {"s0": 0, "s1": 0}
