@@ -160,8 +160,9 @@ def release(
 ) -> tuple[str, str | None, bool]:
     """A release by replica's arguments (``release_server``), checked before anything is
     looked up or sent."""
+    sid = server_id(server_id_)  # first, as the balancers always checked it
     rid = request_id(request_id_) if request_id_ is not None else None
-    return server_id(server_id_), rid, flag(failed, "failed")
+    return sid, rid, flag(failed, "failed")
 
 
 # A lease's weight (a weighing policy's unit, e.g. tokens) travels as a Lua number (a double):
