@@ -24,6 +24,7 @@ from redis_router.kv_events import (
     offset_endpoint_port,
     replica_ports,
     streams_of,
+    subscriber,
 )
 from redis_router.kv_events.publisher import Publisher, cleared, removed, stored
 from redis_router.scripts import load_file
@@ -180,6 +181,32 @@ def test_first_connect_replays_what_was_published_before(server, r, pubs, subs):
         store_prompt(pub, p, 1000 * k, arrays=True, split=2)
     sub = subs("kv")  # connects after all of it was published
     settle([sub], lambda: holders(r, "kv") == expect({"r0": ps}))
+    assert index_states(r, "kv", {"r0": pub.meta()})["r0"]["state"] == "exact"
+
+
+def test_a_batch_published_while_the_subscription_travels_is_found_in_the_replay(
+    server, r, pubs, subs, monkeypatch
+):
+    """A SUB socket misses what is published before its subscription reaches the publisher.
+    With no batch after it to show the gap, the subscriber's checks after connecting find it;
+    over a quiet spell they stop after len(JOIN_CHECKS) replay requests."""
+    monkeypatch.setattr(subscriber, "JOIN_CHECKS", (0.1, 0.2, 0.4))
+    rng = random.Random(14)
+    pub = pubs()
+    RedisLoadBalancer({"r0": pub.meta()}, redis=server.url, name="kv").close()
+    first, missed = prompt(rng, 1), prompt(rng, 1)
+    store_prompt(pub, first, 0, arrays=True)  # before the subscriber connects: replayed
+    sub = subs("kv")
+    settle([sub], lambda: holders(r, "kv") == expect({"r0": [first]}))
+    pub.publish([stored([10], None, missed, BS, arrays=True)], skip_live=True)
+    settle([sub], lambda: holders(r, "kv") == expect({"r0": [first, missed]}))
+    end = time.monotonic() + 1.0  # well past the last check
+    while time.monotonic() < end:
+        sub.step(0.05)
+    first_connect, *checks = pub.replays
+    assert first_connect == 0
+    assert checks[0] == 1 and set(checks) <= {1, 2}  # past what the index had applied ...
+    assert len(checks) <= 3  # ... at most once per check (two due at once go as one)
     assert index_states(r, "kv", {"r0": pub.meta()})["r0"]["state"] == "exact"
 
 

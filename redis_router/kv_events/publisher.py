@@ -52,7 +52,8 @@ def cleared(*, arrays: bool) -> Any:
 
 class Publisher:
     """Publishes batches of events; ``skip_live`` sends a batch to the replay buffer only (a
-    message the subscriber never saw); ``buffer`` bounds the replay buffer."""
+    message the subscriber never saw); ``buffer`` bounds the replay buffer. ``replays`` lists
+    the first sequence number of each replay request answered."""
 
     def __init__(
         self,
@@ -77,6 +78,7 @@ class Publisher:
         self.seq = 0
         self.clock = time.time() if clock is None else clock
         self.lock = threading.Lock()
+        self.replays: list[int] = []
         self.running = True
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -119,6 +121,7 @@ class Publisher:
             first = int.from_bytes(start, "big")
             with self.lock:
                 todo = [(s, p) for s, p in self.buffer if s >= first]
+                self.replays.append(first)
             for s, p in todo:
                 topic = [b""] if self.with_topic else []
                 self.router.send_multipart([client, b"", *topic, s.to_bytes(8, "big"), p])

@@ -10,6 +10,12 @@ per buffered batch, then ``["", "", -1, ""]``; SGLang's replies lack the topic) 
 replay cannot fill it, applies the batch as a gap. On (re)connect it asks for the last applied
 batch again: the same sequence number at a later time means the replica restarted.
 
+A SUB socket receives nothing until its subscription has reached the publisher, some time after
+the connection is made, and a batch published meanwhile is dropped. A later batch reveals such a
+loss as a gap; the last one before a quiet spell would stay missing. So after a (re)connect,
+until a batch arrives live, the subscriber asks the replay for batches past the last applied a
+few times (JOIN_CHECKS).
+
 Safe to run several at once: they send the same batches and the index applies each once.
 None is needed for routing: without one, replicas are not trusted as exact after ``stale`` s.
 """
@@ -39,6 +45,7 @@ log = logging.getLogger("redis_router.kv_events")
 MAX_HELD = 100_000  # batches held per stream while Redis is unreachable or a gap is filled
 PIPELINE = 256  # batches applied per round trip at most
 END_SEQ = -1
+JOIN_CHECKS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)  # s after a (re)connect: look for missed batches
 
 
 class _Stream:
@@ -59,6 +66,7 @@ class _Stream:
         self.link = "0"  # "1" while connected
         self.empty = False  # the replay answered with nothing: the publisher published nothing
         self.needs_sync = True
+        self.checks: list[float] = []  # when to ask the replay for batches missed while joining
 
     def close(self) -> None:
         self.sub.disable_monitor()
@@ -179,22 +187,42 @@ class KVEventSubscriber:
         finally:
             sock.close(linger=0)
 
+    def _last_applied(self, s: _Stream) -> tuple[int, str | None]:
+        """The stream's last applied sequence number in the index (-1: none) and its time
+        (None when the index has never seen the stream)."""
+        ep = s.ep
+        raw = self.client.hget(self.index.prefix + "kv:stream", f"{ep.rank}:{ep.server_id}")
+        if not raw:
+            return -1, None
+        fields = (raw.decode() if isinstance(raw, bytes) else raw).split(" ")
+        return int(fields[0]), fields[1]
+
     def _sync(self, s: _Stream) -> None:
         """On (re)connect: replay from the last applied batch (whose time tells a restart)."""
         ep = s.ep
-        raw = self.client.hget(self.index.prefix + "kv:stream", f"{ep.rank}:{ep.server_id}")
-        fields = (raw.decode() if isinstance(raw, bytes) else raw).split(" ") if raw else []
-        last = int(fields[0]) if fields else -1
+        last, ts = self._last_applied(s)
         answered, got = self._replay(s, max(last, 0))
         if answered and not got and last >= 0:
             # Nothing from the last applied batch on: the publisher restarted since.
             answered, got = self._replay(s, 0)
-            if answered and not got:  # ... and published nothing yet
-                self.index.restarted(ep.server_id, ep.rank, ep.ranks, last, fields[1])
-        s.empty = answered and not got and raw is None
+            if answered and not got and ts is not None:  # ... and published nothing yet
+                self.index.restarted(ep.server_id, ep.rank, ep.ranks, last, ts)
+        s.empty = answered and not got and ts is None
         s.held.update(got)
         s.needs_sync = False
+        now = time.monotonic()
+        s.checks = [now + d for d in JOIN_CHECKS] if answered else []
         self._pump(s)
+
+    def _check_tail(self, s: _Stream) -> None:
+        """Ask the replay for the batches past the last applied one: those published while the
+        subscription was on its way. Stops checking when the replay does not answer."""
+        last, _ = self._last_applied(s)
+        answered, got = self._replay(s, last + 1)
+        if not answered:
+            s.checks.clear()
+        for k, v in got.items():
+            s.held.setdefault(k, v)
 
     def _apply(self, s: _Stream, seq: int, gap_ok: bool) -> Applied:
         ts, events = s.held[seq]
@@ -247,6 +275,7 @@ class KVEventSubscriber:
             except ValueError as exc:
                 log.warning("%s rank %d: undecodable batch: %s", s.ep.server_id, s.ep.rank, exc)
                 continue
+            s.checks.clear()  # the subscription works: a later loss shows as a gap
             if seq < s.last_live:  # numbers start again: the publisher restarted
                 s.held.clear()
             s.last_live = seq
@@ -314,7 +343,8 @@ class KVEventSubscriber:
         for s in self._streams.values():
             poller.register(s.sub, zmq.POLLIN)
             poller.register(s.monitor, zmq.POLLIN)
-        wait = max(0.0, min(timeout, self._next_beat - now, self._next_poll - now))
+        due = [s.checks[0] - now for s in self._streams.values() if s.checks]
+        wait = max(0.0, min(timeout, self._next_beat - now, self._next_poll - now, *due))
         ready = dict(poller.poll(int(wait * 1000))) if self._streams else {}
         if not self._streams:
             time.sleep(wait)
@@ -326,6 +356,10 @@ class KVEventSubscriber:
                 self._sync(s)
             if s.sub in ready:
                 self._receive(s)
+            now = time.monotonic()
+            if s.checks and s.checks[0] <= now and s.link == "1" and not s.needs_sync:
+                s.checks = [t for t in s.checks if t > now]
+                self._check_tail(s)
         done += self._apply_held(list(self._streams.values()))
         if time.monotonic() >= self._next_beat:
             self._beat()
