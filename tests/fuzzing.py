@@ -454,20 +454,29 @@ class BalancerMachine(RuleBasedStateMachine):
         run time stays bounded however often Hypothesis picks them."""
         return getattr(self.stats, what) * every <= self.stats.operations
 
+    @contextlib.contextmanager
+    def _judging(self) -> Iterator[None]:
+        """Calls and reads the model judges: no dead holder's lease may have become
+        reclaimable by their end (else the model could not say what they saw)."""
+        try:
+            yield
+        finally:
+            if time.monotonic() >= self._deadline():
+                # They ran past a dead holder's deadline (a loaded machine stalled them): a
+                # keeper may have reclaimed that holder's leases meanwhile, and the model
+                # cannot say what they saw, passed or failed. Such a run is not judged;
+                # Hypothesis draws another (and fails the test as Unsatisfiable if too few
+                # can be judged).
+                self.stats.overruns += 1
+                reject()
+
     def _call(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, float, float]:
-        """Run one balancer call; no dead holder's lease may have become reclaimable by its
-        end (else the model could not say what the call saw)."""
+        """Run one balancer call (judged: see _judging)."""
         self.stats.operations += 1
-        t0 = time.monotonic()
-        out = fn(*args)
-        t1 = time.monotonic()
-        if t1 >= self._deadline():
-            # The call ran past a dead holder's deadline (a loaded machine stalled it): a
-            # keeper may have reclaimed that holder's leases meanwhile, and the model cannot
-            # say what the call saw. Such a run is not judged; Hypothesis draws another (and
-            # fails the test as Unsatisfiable if too few can be judged).
-            self.stats.overruns += 1
-            reject()
+        with self._judging():
+            t0 = time.monotonic()
+            out = fn(*args)
+            t1 = time.monotonic()
         return out, t0, t1
 
     # -- dead holders ----------------------------------------------------------------------
@@ -771,8 +780,9 @@ class BalancerMachine(RuleBasedStateMachine):
         candidates = self.model.oldest_candidates(sid)
         assert done == bool(candidates)
         if done:
-            gone = set(self.model.leases) - set(self.r.hkeys(self.p + "leases"))
-            assert len(gone) == 1 and gone <= candidates, self._explain_loss(gone, candidates)
+            with self._judging():
+                gone = set(self.model.leases) - set(self.r.hkeys(self.p + "leases"))
+                assert len(gone) == 1 and gone <= candidates, self._explain_loss(gone, candidates)
             token = gone.pop()
             self.model.release_token(token)
             self.gone.append(token)
@@ -787,6 +797,22 @@ class BalancerMachine(RuleBasedStateMachine):
             deadline = self.r.zscore(self.p + "holders", holder)
             left = None if deadline is None else deadline - now_ms
             lines.append(f"  {t} of {holder} ({kind}), deadline in {left} ms")
+        return "\n".join(lines)
+
+    def _explain_holders(self) -> str:
+        """Each holder's leases in the model, which of them Redis still has, its kind and how
+        far its deadline is (negative: past): what a count that differs is read against."""
+        now_ms, have = self._redis_ms(), set(self.r.hkeys(self.p + "leases"))
+        lines = [f"Redis has {len(have)} leases, the model {len(self.model.leases)}:"]
+        for holder in sorted({x.holder for x in self.model.leases.values()}):
+            tokens = self.model.tokens_of(holder)
+            kind = next((type(q).__name__ for q in self.procs if q.holder == holder), "dying")
+            deadline = self.r.zscore(self.p + "holders", holder)
+            left = None if deadline is None else int(deadline - now_ms)
+            kept = sum(t in have for t in tokens)
+            lines.append(f"  {holder} ({kind}): {kept} of {len(tokens)} kept, deadline {left} ms")
+        dying = [(q.holder, round(q.lo - time.monotonic(), 3)) for q in self.dying]
+        lines.append(f"dying holders (holder, s until reclaimable): {dying}")
         return "\n".join(lines)
 
     @rule(who=st.integers(0, 7), pick=st.integers(0, 255))
@@ -1050,8 +1076,16 @@ class BalancerMachine(RuleBasedStateMachine):
 
     @invariant()
     def counts_match_the_model(self) -> None:
+        self._ready()  # a dead holder due during the reads is reclaimed first
+        with self._judging():
+            self._counts_match_the_model()
+
+    def _counts_match_the_model(self) -> None:
         p = self.proc(0, patient=True)
-        assert p.run(p.lb._core.counts()) == self.model.counts()
+        counts = p.run(p.lb._core.counts())
+        if counts != self.model.counts():
+            print(self._explain_holders())  # shown in full with the failure (captured output)
+        assert counts == self.model.counts()
         self.steps += 1
         if self.steps % 4:
             return  # the full check reads every key: every few steps

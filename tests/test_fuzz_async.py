@@ -129,10 +129,15 @@ class AsyncMachine(BalancerMachine):
         self.stats.operations += len(calls) - 1
         self.stats.batches += 1
         got_acquires, got_releases = outcomes[: len(acquires)], outcomes[len(acquires) :]
-        present = set(self.r.hkeys(self.p + "leases"))
-        explained = self._explain(p, acquires, got_acquires, releases, got_releases, t0, t1)
-        consistent = [m for m in explained if set(m.leases) == present]
-        assert consistent, (acquires, got_acquires, releases, got_releases, self.model, present)
+        with self._judging():  # a dead holder's leases must not go before this read
+            present = set(self.r.hkeys(self.p + "leases"))
+            explained = self._explain(p, acquires, got_acquires, releases, got_releases, t0, t1)
+            consistent = [m for m in explained if set(m.leases) == present]
+            if not consistent:  # shown in full with the failure (captured output)
+                print(f"turn: {acquires=}\n{got_acquires=}\n{releases=}\n{got_releases=}")
+                print(f"ledger: {self.ledger}\nmodel: {self.model}\npresent: {sorted(present)}")
+                print(self._explain_holders())
+            assert consistent, "no order of the turn's batches explains the leases in Redis"
         self.gone += [t for t in self.model.leases if t not in present]
         self.model = consistent[0]
 
