@@ -13,8 +13,8 @@ batch again: the same sequence number at a later time means the replica restarte
 A SUB socket receives nothing until its subscription has reached the publisher, some time after
 the connection is made, and a batch published meanwhile is dropped. A later batch reveals such a
 loss as a gap; the last one before a quiet spell would stay missing. So after a (re)connect,
-until a batch arrives live, the subscriber asks the replay for batches past the last applied a
-few times (JOIN_CHECKS).
+until a batch arrives live, the subscriber asks the replay for the batches from the last applied
+on a few times (JOIN_CHECKS).
 
 Safe to run several at once: they send the same batches and the index applies each once.
 None is needed for routing: without one, replicas are not trusted as exact after ``stale`` s.
@@ -215,10 +215,12 @@ class KVEventSubscriber:
         self._pump(s)
 
     def _check_tail(self, s: _Stream) -> None:
-        """Ask the replay for the batches past the last applied one: those published while the
-        subscription was on its way. Stops checking when the replay does not answer."""
+        """Ask the replay for the batches from the last applied one on: those after it were
+        published while the subscription was on its way. The last applied one comes again, so
+        a publisher that restarted unseen shows by its time, as in _sync. Stops checking when
+        the replay does not answer."""
         last, _ = self._last_applied(s)
-        answered, got = self._replay(s, last + 1)
+        answered, got = self._replay(s, max(last, 0))
         if not answered:
             s.checks.clear()
         for k, v in got.items():
