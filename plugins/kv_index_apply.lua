@@ -15,7 +15,8 @@
 --          nothing written) | {"removed"} (the replica is not in the pool; nothing written)
 -- Order    a batch applies when its number follows the last applied one. A number at or below
 --          it with a later batch time means the replica restarted (numbers start again at 0):
---          the stream is reset and wants 0. A gap the sender cannot fill (ARGV[6] = "1") resets
+--          the stream is reset and wants 0, keeping the old stream's last time (so the new
+--          stream's batches below that number apply, and the old stream's stay no-ops). A gap the sender cannot fill (ARGV[6] = "1") resets
 --          the stream too, and it stays "gap" (not exact) until AllBlocksCleared or a restart;
 --          a stream first seen past 0 with its history gone is "history" likewise.
 -- Keeps    I6 (no entry for a replica outside the pool), I7; each stream's map, its entries in
@@ -64,9 +65,10 @@ elseif seq <= st.seq then
   end
   -- The same number, later: a new stream. Everything the old one stored is gone with it.
   kv_reset(rank, id, st)
-  st.seq, st.ts, st.status = -1, ts, 'exact'
+  st.seq, st.status = -1, 'exact'
   if seq ~= 0 then
     if not gap_ok then
+      -- st.ts stays the old stream's last time: the new stream's batches from 0 on are later
       st.seen = kv_now
       kv_save(skey, st)
       kv_judge(id, ranks, stale_ms)
@@ -74,8 +76,10 @@ elseif seq <= st.seq then
     end
     st.status = 'history'
   end
-elseif t < tonumber(st.ts) then
-  return { 'dup' } -- a later number from an older stream: what a lagging sender still holds
+elseif t < tonumber(st.ts) or (st.seq == -1 and t == tonumber(st.ts)) then
+  -- A later number from an older stream (what a lagging sender still holds); after a reset,
+  -- the old stream's last batch too.
+  return { 'dup' }
 elseif seq > st.seq + 1 then
   if not gap_ok then return { 'need', st.seq + 1 } end
   kv_reset(rank, id, st)

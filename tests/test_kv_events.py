@@ -311,6 +311,55 @@ def test_a_replica_restart_replaces_its_entries(server, r, pubs, subs):
     settle([sub], lambda: index_states(r, "kv", {"r0": meta})["r0"]["state"] == "exact")
 
 
+def test_a_restart_that_published_past_the_old_streams_numbers_is_replayed_whole(
+    server, r, pubs, subs
+):
+    """Found at a number past 0 (the new stream already has the old one's last number), the
+    restart still replays the new stream from 0: the replica stays exact."""
+    rng = random.Random(16)
+    pub = pubs()
+    meta = pub.meta()
+    RedisLoadBalancer({"r0": meta}, redis=server.url, name="kv").close()
+    sub = subs("kv")
+    old = [prompt(rng, 1) for _ in range(2)]
+    for k, p in enumerate(old):
+        store_prompt(pub, p, 100 * k, arrays=True)  # numbers 0 and 1
+    settle([sub], lambda: holders(r, "kv") == expect({"r0": old}))
+    port, replay_port, clock = pub.port, pub.replay_port, pub.clock
+    pub.close()
+    new = pubs(port=port, replay_port=replay_port, clock=clock + 5)
+    fresh = [prompt(rng, 1) for _ in range(4)]
+    for k, p in enumerate(fresh):  # numbers 0..3, before the subscriber reconnects
+        store_prompt(new, p, 1000 + 100 * k, arrays=True)
+    settle([sub], lambda: holders(r, "kv") == expect({"r0": fresh}), timeout=20)
+    assert index_states(r, "kv", {"r0": meta})["r0"]["state"] == "exact"
+
+
+def test_a_join_check_that_meets_a_restart_not_yet_seen_replaces_the_entries(server, r, pubs, subs):
+    """A join check that runs before the subscriber has read the reconnect (its stream still
+    linked, no sync due) must not apply the new stream's batches as the old one's sequel."""
+    rng = random.Random(15)
+    pub = pubs()
+    meta = pub.meta()
+    RedisLoadBalancer({"r0": meta}, redis=server.url, name="kv").close()
+    old = [prompt(rng, 1) for _ in range(3)]
+    for k, p in enumerate(old):
+        store_prompt(pub, p, 100 * k, arrays=True)  # numbers 0..2
+    sub = subs("kv")
+    settle([sub], lambda: holders(r, "kv") == expect({"r0": old}))
+    port, replay_port, clock = pub.port, pub.replay_port, pub.clock
+    pub.close()
+    new = pubs(port=port, replay_port=replay_port, clock=clock + 5)
+    fresh = [prompt(rng, 1) for _ in range(5)]
+    for k, p in enumerate(fresh):
+        store_prompt(new, p, 1000 + 100 * k, arrays=True)  # numbers 0..4, 3 and 4 past the old
+    (stream,) = sub._streams.values()
+    stream.link, stream.needs_sync = "1", False  # as if the reconnect were not read yet
+    sub._check_tail(stream)
+    sub._apply_held([stream])
+    assert holders(r, "kv") == expect({"r0": fresh})
+
+
 def test_two_subscribers_at_once_build_the_index_one_would(server, r, pubs, subs):
     rng = random.Random(9)
     publishers = [pubs() for _ in range(3)]
