@@ -134,7 +134,8 @@ class Stats:
     ejections: int = 0  # replicas ejected by failed requests
     full: int = 0  # acquires refused with NoCapacity
     capped: int = 0  # grants made while some replica declared a capacity
-    overruns: int = 0  # runs not judged: a call outlasted a dead holder's deadline
+    overruns: int = 0  # runs not judged: a call outlasted a dead holder's deadline ...
+    slow_stalls: int = 0  # ... or a stall a live holder's slack
 
     def line(self) -> str:
         return (
@@ -149,7 +150,8 @@ class Stats:
             f"{self.kills} connections killed while their command waited, {self.drops} "
             f"dropped between calls, {self.batches} coalesced gathers; {self.ejections} "
             f"ejections, {self.capped} grants under capacities, {self.full} refused full; "
-            f"{self.overruns} runs not judged (a call outlasted a dead holder's deadline)"
+            f"runs not judged: {self.overruns} (a call outlasted a dead holder's deadline), "
+            f"{self.slow_stalls} (a stall outlasted a live holder's slack)"
         )
 
 
@@ -290,9 +292,8 @@ class Listener:
 
 
 class Stall:
-    """A script keeping the server busy, run from another connection's thread. ``join`` checks
-    it stayed well inside a live holder's slack (its heartbeats wait behind it): a longer one
-    means an overloaded machine, not a balancer bug, and the test says so."""
+    """A script keeping the server busy, run from another connection's thread; ``took`` is how
+    long it kept the server."""
 
     def __init__(self, blocker: redis.Redis, loops: int) -> None:
         self.took, self.loops = 0.0, loops
@@ -307,10 +308,6 @@ class Stall:
 
     def join(self) -> None:
         self._thread.join()
-        assert self.took < 0.6 * LEASE_TTL, (
-            f"a {STALL}s stall took {self.took:.2f}s: the machine is too loaded for live "
-            "holders' heartbeats to keep up"
-        )
 
 
 def _loop_count_for(r: redis.Redis, seconds: float) -> int:
@@ -984,10 +981,15 @@ class BalancerMachine(RuleBasedStateMachine):
 
     def _unstall(self, stall: Stall) -> None:
         """Wait for the stall's end; rescale the next ones to how long this one took (the
-        server's speed varies with the machine's load)."""
+        server's speed varies with the machine's load). A stall that outlasted a live holder's
+        slack (its heartbeats wait behind it) may have let a live holder be declared dead: an
+        overloaded machine, not a balancer bug, and the model cannot judge the run."""
         stall.join()
         loops = stall.loops * STALL / max(stall.took, 1e-3)
         BalancerMachine.stall_loops = int((BalancerMachine.stall_loops + loops) / 2)
+        if stall.took >= 0.6 * LEASE_TTL:
+            self.stats.slow_stalls += 1
+            reject()
 
     def _impatient(self) -> Process:
         return next(p for p in self.procs if p.impatient)
