@@ -45,7 +45,7 @@ log = logging.getLogger("redis_router.kv_events")
 MAX_HELD = 100_000  # batches held per stream while Redis is unreachable or a gap is filled
 PIPELINE = 256  # batches applied per round trip at most
 END_SEQ = -1
-JOIN_CHECKS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)  # s after a (re)connect: look for missed batches
+JOIN_CHECKS = (0.25, 1.0, 4.0)  # s after a (re)connect: look for missed batches (a replay each)
 
 
 class _Stream:
