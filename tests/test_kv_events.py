@@ -293,47 +293,32 @@ def test_an_undecodable_batch_in_the_replay_is_a_gap_not_a_crash(server, r, pubs
     settle([sub], lambda: index_states(r, "kv", {"r0": meta})["r0"]["state"] == "exact")
 
 
-def test_a_replica_restart_replaces_its_entries(server, r, pubs, subs):
+def restart(pubs: Any, pub: Publisher) -> Publisher:
+    """The replica restarts: a new publisher on the same ports, numbers from 0, later times."""
+    port, replay_port, clock = pub.port, pub.replay_port, pub.clock
+    pub.close()
+    return pubs(port=port, replay_port=replay_port, clock=clock + 5)
+
+
+@pytest.mark.parametrize("published", [1, 4], ids=["fewer-than-before", "past-the-old-numbers"])
+def test_a_replica_restart_replaces_its_entries(server, r, pubs, subs, published):
+    """Also when the new stream already has the old one's last number (the restart is found at
+    a number past 0): it is replayed from 0, and the replica stays exact."""
     rng = random.Random(8)
     pub = pubs()
     meta = pub.meta()
     RedisLoadBalancer({"r0": meta}, redis=server.url, name="kv").close()
     sub = subs("kv")
     old = [prompt(rng, 3) for _ in range(3)]
-    for k, p in enumerate(old):
+    for k, p in enumerate(old):  # numbers 0..2
         store_prompt(pub, p, 100 * k, arrays=False)
     settle([sub], lambda: holders(r, "kv") == expect({"r0": old}))
-    port, replay_port, clock = pub.port, pub.replay_port, pub.clock
-    pub.close()
-    new = pubs(port=port, replay_port=replay_port, clock=clock + 5)  # numbers start at 0
-    fresh = prompt(rng, 2)
-    store_prompt(new, fresh, 7, arrays=False)
-    settle([sub], lambda: holders(r, "kv") == expect({"r0": [fresh]}), timeout=20)
-    settle([sub], lambda: index_states(r, "kv", {"r0": meta})["r0"]["state"] == "exact")
-
-
-def test_a_restart_that_published_past_the_old_streams_numbers_is_replayed_whole(
-    server, r, pubs, subs
-):
-    """Found at a number past 0 (the new stream already has the old one's last number), the
-    restart still replays the new stream from 0: the replica stays exact."""
-    rng = random.Random(16)
-    pub = pubs()
-    meta = pub.meta()
-    RedisLoadBalancer({"r0": meta}, redis=server.url, name="kv").close()
-    sub = subs("kv")
-    old = [prompt(rng, 1) for _ in range(2)]
-    for k, p in enumerate(old):
-        store_prompt(pub, p, 100 * k, arrays=True)  # numbers 0 and 1
-    settle([sub], lambda: holders(r, "kv") == expect({"r0": old}))
-    port, replay_port, clock = pub.port, pub.replay_port, pub.clock
-    pub.close()
-    new = pubs(port=port, replay_port=replay_port, clock=clock + 5)
-    fresh = [prompt(rng, 1) for _ in range(4)]
-    for k, p in enumerate(fresh):  # numbers 0..3, before the subscriber reconnects
-        store_prompt(new, p, 1000 + 100 * k, arrays=True)
+    new = restart(pubs, pub)
+    fresh = [prompt(rng, 2) for _ in range(published)]
+    for k, p in enumerate(fresh):  # before the subscriber reads the reconnect
+        store_prompt(new, p, 1000 + 100 * k, arrays=False)
     settle([sub], lambda: holders(r, "kv") == expect({"r0": fresh}), timeout=20)
-    assert index_states(r, "kv", {"r0": meta})["r0"]["state"] == "exact"
+    settle([sub], lambda: index_states(r, "kv", {"r0": meta})["r0"]["state"] == "exact")
 
 
 def test_a_join_check_that_meets_a_restart_not_yet_seen_replaces_the_entries(server, r, pubs, subs):
@@ -348,9 +333,7 @@ def test_a_join_check_that_meets_a_restart_not_yet_seen_replaces_the_entries(ser
         store_prompt(pub, p, 100 * k, arrays=True)  # numbers 0..2
     sub = subs("kv")
     settle([sub], lambda: holders(r, "kv") == expect({"r0": old}))
-    port, replay_port, clock = pub.port, pub.replay_port, pub.clock
-    pub.close()
-    new = pubs(port=port, replay_port=replay_port, clock=clock + 5)
+    new = restart(pubs, pub)
     fresh = [prompt(rng, 1) for _ in range(5)]
     for k, p in enumerate(fresh):
         store_prompt(new, p, 1000 + 100 * k, arrays=True)  # numbers 0..4, 3 and 4 past the old
