@@ -125,12 +125,22 @@ class AsyncShardedLoadBalancer(ShardedBase):
         exclude: Collection[str] | None = None,
         **fields: Any,
     ) -> AsyncIterator[AsyncLease]:
-        """See AsyncRedisLoadBalancer.lease (released exactly once, also on cancellation)."""
+        """See AsyncRedisLoadBalancer.lease (released exactly once, also on cancellation); a
+        session its shard cannot take is placed on another, as by acquire."""
         self._check(request_id, fields, exclude)
-        index = (await self._drive(self._shard_of([self._key(request_id, fields)])))[0]
-        async with self._shards[index].lease(
-            request_id, renew_every=renew_every, wait=wait, exclude=exclude, **fields
-        ) as held:
+        key = self._key(request_id, fields)
+        avoid: tuple[int, ...] = ()
+        async with contextlib.AsyncExitStack() as stack:
+            while True:
+                index = (await self._drive(self._shard_of([key], avoid)))[0]
+                lease = self._shards[index].lease(
+                    request_id, **self._lease_kw(avoid, renew_every, wait, exclude), **fields
+                )
+                try:
+                    held = await stack.enter_async_context(lease)
+                    break
+                except NoServersAvailable as refused:
+                    avoid = self._elsewhere(avoid, index, refused)
             yield self._granted(index, held)
 
     async def acquire_many(

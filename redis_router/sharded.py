@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Collection, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from redis import exceptions as rx
@@ -109,13 +109,23 @@ class ShardedLoadBalancer(ShardedBase):
         exclude: Collection[str] | None = None,
         **fields: Any,
     ) -> Iterator[Lease]:
-        """As :meth:`RedisLoadBalancer.lease`."""
+        """As :meth:`RedisLoadBalancer.lease`; a session its shard cannot take is placed on
+        another, as by :meth:`acquire`."""
         self._check(request_id, fields, exclude)
-        shard = self._shards[self._drive(self._shard_of([self._key(request_id, fields)]))[0]]
-        with shard.lease(
-            request_id, renew_every=renew_every, wait=wait, exclude=exclude, **fields
-        ) as held:
-            yield self._granted(self._shards.index(shard), held)
+        key = self._key(request_id, fields)
+        avoid: tuple[int, ...] = ()
+        with ExitStack() as stack:
+            while True:
+                index = self._drive(self._shard_of([key], avoid))[0]
+                kw = self._lease_kw(avoid, renew_every, wait, exclude)
+                try:
+                    held = stack.enter_context(
+                        self._shards[index].lease(request_id, **kw, **fields)
+                    )
+                    break
+                except NoServersAvailable as refused:
+                    avoid = self._elsewhere(avoid, index, refused)
+            yield self._granted(index, held)
 
     def acquire_many(
         self, request_ids: list[str], *, wait: float | None = None, **fields: Any

@@ -265,12 +265,28 @@ class ShardedBase:
             try:
                 got = yield OnShard(shard, method, (request_id,), {**kw, "wait": wait, **fields})
                 return self._granted(shard, got)
-            except ReplicaEjected:  # the session is kept on its replica: it does not move
-                raise
-            except NoServersAvailable:
-                avoid = (*avoid, shard)
-                if len(avoid) >= self._k:
-                    raise
+            except NoServersAvailable as refused:
+                avoid = self._elsewhere(avoid, shard, refused)
+
+    @staticmethod
+    def _lease_kw(
+        avoid: tuple[int, ...], renew_every: float | None, wait: float | None, exclude: Any
+    ) -> dict[str, Any]:
+        """A shard lease's options: only the first shard tried waits (as in _routed)."""
+        return {"renew_every": renew_every, "wait": wait if not avoid else 0.0, "exclude": exclude}
+
+    def _elsewhere(
+        self, avoid: tuple[int, ...], shard: int, refused: NoServersAvailable
+    ) -> tuple[int, ...]:
+        """After ``shard`` refused a session: the shards to avoid when it is placed again.
+        Raises ``refused`` when every shard has refused, or when its replica is ejected (the
+        session is kept on its replica: it does not move)."""
+        if isinstance(refused, ReplicaEjected):
+            raise refused
+        avoid = (*avoid, shard)
+        if len(avoid) >= self._k:
+            raise refused
+        return avoid
 
     def _acquire_many(
         self, request_ids: list[str], wait: float | None, fields: Mapping[str, Any]

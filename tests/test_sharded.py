@@ -301,6 +301,33 @@ def test_a_full_shard_sends_a_new_session_to_one_with_room(
     assert check_shards(r, pool) == 2
 
 
+def _lease_once(pool: Any, request_id: str) -> str:
+    """Enter and leave ``pool.lease(request_id)``, either flavour: the replica it gave."""
+    if isinstance(pool, Blocking):
+
+        async def enter() -> str:
+            async with pool.pool.lease(request_id) as lease:
+                return str(lease.server_id)
+
+        return str(pool.loop.run_until_complete(enter()))
+    with pool.lease(request_id) as lease:
+        return str(lease.server_id)
+
+
+@both
+def test_a_lease_whose_shard_is_full_is_placed_on_another_as_an_acquire_is(
+    make_pool: Callable[..., Any], r: redis.Redis
+) -> None:
+    pool = make_pool({"x": {"url": "u", "capacity": 1}, "y": {"url": "u", "capacity": 1}}, shards=2)
+    before = _lease_once(pool, "turn")  # the session's shard is remembered
+    taken = {pool.acquire_server(rid)[0]: rid for rid in ("a", "b")}
+    assert set(taken) == {"x", "y"}
+    other = "y" if before == "x" else "x"
+    assert pool.release_server(other, taken[other])  # room on the other shard only
+    assert _lease_once(pool, "turn") == other
+    assert check_shards(r, pool) == 1
+
+
 @both
 def test_a_batch_is_granted_whole_or_not_at_all_across_shards(
     make_pool: Callable[..., Any], r: redis.Redis
