@@ -16,8 +16,9 @@
 -- Order    a batch applies when its number follows the last applied one. A number at or below
 --          it with a later batch time means the replica restarted (numbers start again at 0):
 --          the stream is reset and wants 0, keeping the old stream's last time (so the new
---          stream's batches below that number apply, and the old stream's stay no-ops). A gap the sender cannot fill (ARGV[6] = "1") resets
---          the stream too, and it stays "gap" (not exact) until AllBlocksCleared or a restart;
+--          stream's batches below that number apply, and the old stream's stay no-ops). A gap
+--          the sender cannot fill (ARGV[6] = "1") resets the stream too, and it stays "gap"
+--          (not exact) until AllBlocksCleared or a restart;
 --          a stream first seen past 0 with its history gone is "history" likewise.
 -- Keeps    I6 (no entry for a replica outside the pool), I7; each stream's map, its entries in
 --          kv:idx and its BLOCKS agree (a reset moves the map aside, drained by epoch); BLOCKS

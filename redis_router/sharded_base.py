@@ -261,7 +261,7 @@ class ShardedBase:
         avoid: tuple[int, ...] = ()
         while True:
             shard = (yield from self._shard_of([key], avoid))[0]
-            wait = kw["wait"] if not avoid else 0.0
+            wait = self._wait_on(avoid, kw["wait"])
             try:
                 got = yield OnShard(shard, method, (request_id,), {**kw, "wait": wait, **fields})
                 return self._granted(shard, got)
@@ -269,11 +269,16 @@ class ShardedBase:
                 avoid = self._elsewhere(avoid, shard, refused)
 
     @staticmethod
+    def _wait_on(avoid: tuple[int, ...], wait: float | None) -> float | None:
+        """How long a session may wait on the shard tried now: only the first shard waits;
+        after a refusal the others answer at once."""
+        return wait if not avoid else 0.0
+
     def _lease_kw(
-        avoid: tuple[int, ...], renew_every: float | None, wait: float | None, exclude: Any
+        self, avoid: tuple[int, ...], renew_every: float | None, wait: float | None, exclude: Any
     ) -> dict[str, Any]:
-        """A shard lease's options: only the first shard tried waits (as in _routed)."""
-        return {"renew_every": renew_every, "wait": wait if not avoid else 0.0, "exclude": exclude}
+        """A shard lease's options, with its wait as _wait_on gives it."""
+        return {"renew_every": renew_every, "wait": self._wait_on(avoid, wait), "exclude": exclude}
 
     def _elsewhere(
         self, avoid: tuple[int, ...], shard: int, refused: NoServersAvailable

@@ -790,11 +790,16 @@ class BalancerMachine(RuleBasedStateMachine):
         lines = [f"expected one of {sorted(expected)} to go; went:"]
         for t in sorted(gone):
             holder = self.model.leases[t].holder
-            kind = next((type(p).__name__ for p in self.procs if p.holder == holder), "not live")
-            deadline = self.r.zscore(self.p + "holders", holder)
-            left = None if deadline is None else deadline - now_ms
-            lines.append(f"  {t} of {holder} ({kind}), deadline in {left} ms")
+            lines.append(f"  {t} of {holder} {self._standing(holder, now_ms)}")
         return "\n".join(lines)
+
+    def _standing(self, holder: str, now_ms: int) -> str:
+        """A holder's kind (its process's class, else not live) and how far its deadline in
+        Redis is (negative: past)."""
+        kind = next((type(p).__name__ for p in self.procs if p.holder == holder), "not live")
+        deadline = self.r.zscore(self.p + "holders", holder)
+        left = None if deadline is None else int(deadline - now_ms)
+        return f"({kind}), deadline in {left} ms"
 
     def _explain_holders(self) -> str:
         """Each holder's leases in the model, which of them Redis still has, its kind and how
@@ -803,11 +808,10 @@ class BalancerMachine(RuleBasedStateMachine):
         lines = [f"Redis has {len(have)} leases, the model {len(self.model.leases)}:"]
         for holder in sorted({x.holder for x in self.model.leases.values()}):
             tokens = self.model.tokens_of(holder)
-            kind = next((type(q).__name__ for q in self.procs if q.holder == holder), "dying")
-            deadline = self.r.zscore(self.p + "holders", holder)
-            left = None if deadline is None else int(deadline - now_ms)
             kept = sum(t in have for t in tokens)
-            lines.append(f"  {holder} ({kind}): {kept} of {len(tokens)} kept, deadline {left} ms")
+            lines.append(
+                f"  {holder} {self._standing(holder, now_ms)}: {kept} of {len(tokens)} kept"
+            )
         dying = [(q.holder, round(q.lo - time.monotonic(), 3)) for q in self.dying]
         lines.append(f"dying holders (holder, s until reclaimable): {dying}")
         return "\n".join(lines)
