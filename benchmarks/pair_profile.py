@@ -50,7 +50,7 @@ ACQUIRE = (
     ("settings, admission check", "  if #ARGV == HEAD + stride then\n"),
     ("retry check (lease by token)", "  local old, ob\n"),
     ("sticky lookup, every live bucket", "  -- A sticky replica is counted where it is"),
-    ("least-loaded pick and count", "  if ENGINE then redis.call('ZADD', P .. 'escore'"),
+    ("least-loaded pick and count", "  if cx.engine then redis.call('ZADD', P .. 'escore'"),
     ("lease records and request index", "  if not (ob == cur and old == id) then\n    if ob then"),
     ("sticky entry, session count", "  redis.call('HINCRBY', P .. 'acquires', id, '1')\n"),
     ("counters, replica metadata, reply", None),

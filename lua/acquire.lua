@@ -19,8 +19,8 @@
 -- Uses     lib/base, lib/holders, lib/admission, lib/picking, lib/acquiring
 local deterministic = config(ARGV[1]).deterministic
 return acquire_all(OWN, {
-  choose = function(i)
+  choose = function(i, cx)
     if deterministic then return rendezvous(ARGV[i]) end
-    return least_loaded(tonumber(ARGV[i + 2]))
+    return least_loaded(cx, tonumber(ARGV[i + 2]))
   end,
 })

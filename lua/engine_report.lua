@@ -11,12 +11,15 @@ local now = now_ms()
 local written = 0
 local setting = redis.call('HGET', P .. 'config', 'engine')
 local sc = setting and setting ~= '' and scoring()
+local cx = {} -- the call's context (lib/base.lua): scoring's caches
 if sc then setting = sc.setting(setting) end
 for i = 1, #ARGV, 4 do
   local id = ARGV[i]
   if redis.call('HEXISTS', P .. 'servers', id) == 1 then
     engine_store(id, tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), now)
-    if sc then sc.set_extra(id, sc.extra(redis.call('HGET', P .. 'engine', id), setting, now)) end
+    if sc then
+      sc.set_extra(cx, id, sc.extra(redis.call('HGET', P .. 'engine', id), setting, now))
+    end
     written = written + 1
   end
 end

@@ -29,6 +29,7 @@
 -- another script call. A single release writes them at once (no tables to make).
 local done, unowned = nil, nil
 if #ARGV > 4 then done, unowned = {}, {} end
+local cx = {} -- the call's context (lib/base.lua): whether a failure streak exists
 
 local function release(id, req, token, op)
   local rec, toks
@@ -68,7 +69,7 @@ local function release(id, req, token, op)
   else
     remember_release(op)
   end
-  released(sid, op)
+  released(cx, sid, op)
   return token
 end
 

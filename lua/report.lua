@@ -8,15 +8,16 @@
 --          time is up end first.
 -- Uses     lib/base, lib/admission, lib/leases, lib/health
 local now = now_ms()
+local cx = {} -- the call's context (lib/base.lua): whether a streak exists
 admit().restore_due(now)
 local out = {}
 for i = 1, #ARGV, 3 do
   local id = ARGV[i]
   if redis.call('HEXISTS', P .. 'servers', id) == 1 then
     if ARGV[i + 1] == '1' then
-      health().succeeded(id)
+      health().succeeded(cx, id)
     else
-      health().failed(id, 'failed health checks (' .. ARGV[i + 2] .. ')', now, 0,
+      health().failed(cx, id, 'failed health checks (' .. ARGV[i + 2] .. ')', now, 0,
         'health check: ' .. ARGV[i + 2])
     end
     local til = redis.call('ZSCORE', P .. 'ejected', id)

@@ -20,10 +20,10 @@
 local deterministic = config(ARGV[1]).deterministic
 local W, L = P .. 'weighted', P .. 'load'
 
-local function least_weighted(rand)
+local function least_weighted(cx, rand)
   local n = redis.call('ZCARD', L)
   if n == 0 then return nil end
-  if not EXCL and redis.call('ZCARD', P .. 'draining') == 0 and redis.call('ZCARD', W) == n then
+  if not cx.excl and redis.call('ZCARD', P .. 'draining') == 0 and redis.call('ZCARD', W) == n then
     -- `weighted` holds exactly the pool, and the pool is `load`: rank it directly.
     local first = redis.call('ZRANGE', W, 0, 0, 'WITHSCORES')
     local ties = redis.call('ZCOUNT', W, first[2], first[2])
@@ -44,10 +44,10 @@ local function least_weighted(rand)
 end
 
 return acquire_all(OWN + 1, {
-  choose = function(i)
+  choose = function(i, cx)
     if deterministic then return rendezvous(ARGV[i]) end
-    if ENGINE then return scoring().least_tokens(tonumber(ARGV[i + 2])) end -- lib/scoring
-    return least_weighted(tonumber(ARGV[i + 2]))
+    if cx.engine then return scoring().least_tokens(cx, tonumber(ARGV[i + 2])) end -- lib/scoring
+    return least_weighted(cx, tonumber(ARGV[i + 2]))
   end,
   weight = function(i) return tonumber(ARGV[i + OWN]) end,
 })

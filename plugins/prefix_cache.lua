@@ -246,7 +246,7 @@ local function any_exact()
   return has_exact
 end
 
-local function choose(i)
+local function choose(i, cx)
   if deterministic then return rendezvous(ARGV[i]) end
   local rand = tonumber(ARGV[i + 2])
   local c = settings(ARGV[i + OWN])
@@ -254,12 +254,12 @@ local function choose(i)
   local n = #hs / HW
   if ARGV[i + OWN + 4] ~= '' and any_exact() then
     local ties, whole = exact_choice(i, c, hs, n)
-    if not ties then return least_loaded(rand) end
+    if not ties then return least_loaded(cx, rand) end
     local id = ties[rand % #ties + 1]
-    if hot(c, id, whole) then return least_loaded(rand) end
+    if hot(c, id, whole) then return least_loaded(cx, rand) end
     return id
   end
-  if n == 0 then return least_loaded(rand) end
+  if n == 0 then return least_loaded(cx, rand) end
   local since = now - c.ttl
   local top = ends_of(i, hs, n)
   local ties = top and best_holders(top, since)
@@ -272,9 +272,9 @@ local function choose(i)
     end
   end
   -- Checked only when a prefix would decide: without one the answer is least-loaded anyway.
-  if not ties then return least_loaded(rand) end
+  if not ties then return least_loaded(cx, rand) end
   local id = ties[rand % #ties + 1]
-  if hot(c, id, whole) then return least_loaded(rand) end
+  if hot(c, id, whole) then return least_loaded(cx, rand) end
   return id
 end
 

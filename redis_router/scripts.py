@@ -9,11 +9,12 @@ source (``invoke.py`` sends it with FCALL where the server has Functions, else E
 
 A script sent by EVALSHA defines every function of its parts again on each call, which costs
 more server time than most of its Redis commands (tens of closures made and collected per
-call). A Functions library defines the ``lib/`` parts once, when it is loaded: their
-per-call state, the top-level lines marked ``-- per call``, is declared there and set again
-on entry to each call, in source order (``KEYS[1]``-derived key names, caches, settings
-read from ARGV). Any other top-level ``local`` of a ``lib/`` part must be a literal, which
-the loader checks, so no state outlives its call. A plugin's own parts, and the script
+call). A Functions library defines the ``lib/`` parts once, when it is loaded. A call's
+state lives in its context, a table the script makes and passes to the procedures; the few
+top-level lines marked ``-- per call`` (the key prefix from ``KEYS[1]`` and names made from
+it) are declared there and set again on entry to each call, in source order. Any other
+top-level ``local`` of a ``lib/`` part must be a literal, which the loader checks, so no state
+outlives its call. A plugin's own parts, and the script
 itself, still run inside the call, as they do under EVALSHA.
 """
 

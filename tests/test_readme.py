@@ -117,3 +117,26 @@ def test_a_plugin_written_from_the_docs_is_used_by_coalesced_asyncio_calls(plugi
         return counts
 
     assert asyncio.run(main()) == {"s0": 7, "s1": 6, "s2": 6, "s3": 7}
+
+
+@pytest.mark.parametrize("path", ["auto", "eval"])
+def test_a_plugin_in_the_form_before_the_context_still_routes_least_loaded(
+    plugin, server, r, tmp_path, monkeypatch, path
+):
+    """``choose(i)`` calling ``least_loaded(rand)``, as plugins were written before procedures
+    took the call's context, routes as the current form does, by Functions and by EVALSHA."""
+    if path == "eval":
+        monkeypatch.setenv("REDIS_ROUTER_SCRIPTS", "eval")
+    lua = tmp_path / "my_routers" / "preferred.lua"
+    old = lua.read_text().replace("function(i, cx)", "function(i)")
+    old = old.replace("least_loaded(cx, ", "least_loaded(")
+    assert "cx" not in old.split("return acquire_all")[1]  # the earlier form, whole
+    lua.write_text(old)
+    lb = get_router_handle(SERVERS, plugin, redis=server.url, name=f"earlier-{path}")
+    first = lb.acquire_server("n0", prefer="gone")[0]  # no such replica: least loaded
+    for i in range(1, 8):
+        lb.acquire_server(f"n{i}", prefer="gone")
+    lb.acquire_many([f"m{i}" for i in range(4)], prefer=["gone"] * 4)
+    assert invariants.check(r, f"earlier-{path}") == {f"s{i}": 3 for i in range(4)}
+    assert lb.acquire_server("n0", prefer="gone")[0] == first  # a later turn stays sticky
+    lb.close()

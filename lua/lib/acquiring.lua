@@ -2,8 +2,9 @@
 -- leases, counts (uses base, holders, picking).
 -- A new lease's record; a policy that weighs requests adds the weight to it and to the
 -- replica's weighted load at once (a batch's later choices see it), and end_lease takes it off.
-local function lease_record(policy, i, id, field, holder)
-  local w = policy.weight and policy.weight(i)
+local function lease_record(cx, policy, i, id, field)
+  local holder = cx.holder
+  local w = policy.weight and policy.weight(i, cx)
   if not w or w <= 0 then return field .. SEP .. holder end
   w = int(w)
   redis.call('ZINCRBY', P .. 'weighted', w, id)
@@ -11,7 +12,7 @@ local function lease_record(policy, i, id, field, holder)
   return field .. SEP .. holder .. SEP .. w
 end
 
--- The settings an acquire reads are its config (`cfg`, lib/base.lua config()), passed along:
+-- The settings an acquire reads are its config (cx.cfg, lib/base.lua config()):
 -- - Affinity tolerance (cfg.margin, cfg.ratio; nil = off): a sticky session whose replica
 --   takes new sessions is re-pinned by the policy when that replica's in-flight count exceeds
 --   the least loaded one's by more than margin requests and is above ratio times it (taken as
@@ -24,37 +25,36 @@ end
 --   session whose replica is ejected is refused (EJECTED) instead of balanced anew, and waits.
 
 -- True when the sticky replica `old` (in P.."load") is too far above the least loaded.
-local function overloaded(old, cfg)
+local function overloaded(cx, old)
   local s = redis.call('ZSCORE', LOAD, old)
   if not s then return false end -- draining: it serves its sticky sessions only
   local m
-  if ENGINE then -- scores, not counts, and only off a replica whose engine queues requests
+  if cx.engine then -- scores, not counts, and only off a replica whose engine queues requests
     -- (or is past the KV ceiling): a session whose next turn would run at once keeps its cache
     local sc = scoring()
-    if not sc.pressed(old, now_ms()) then return false end
-    s, m = tonumber(redis.call('ZSCORE', P .. 'escore', old)), sc.level()
+    if not sc.pressed(cx, old, now_ms()) then return false end
+    s, m = tonumber(redis.call('ZSCORE', P .. 'escore', old)), sc.level(cx)
     if not (s and m) then return false end
   else
     s = tonumber(s)
-    if not LL.min then load_peek() end
-    m = LL.min
+    if not cx.ll.min then load_peek(cx) end
+    m = cx.ll.min
   end
-  local margin, ratio = cfg.margin, cfg.ratio
+  local margin, ratio = cx.cfg.margin, cx.cfg.ratio
   return (not margin or s - m > margin) and (not ratio or s > ratio * math.max(m, 1))
 end
 
 -- Group affinity (a request's group id, ARGV[i + 3]; "" = none): a new session of a group
 -- goes where the group's last member went while that replica takes new sessions and holds
--- fewer than cfg.cap (nil = no cap) members placed there in a row; else the policy
+-- fewer than cx.cfg.cap (nil = no cap) members placed there in a row; else the policy
 -- places it and the group follows it there. Entries live in time buckets as sticky ones do.
--- groups() makes the procedures on a script's first group, so a call without one defines
--- none of them: state is group id -> { id, n (members in a row), b (its bucket) }, read once
--- per script, and the writes go at the end (flush), so a batch and one request at a time end
+-- groups(cx) makes the call's group state (cx.groups) on its first group, so a call without
+-- one makes none of it: group id -> { id, n (members in a row), b (its bucket) }, read once
+-- per call, and the writes go at the end (flush), so a batch and one request at a time end
 -- the same.
-local GROUPS = nil -- per call
-
-local function groups(cur, cfg)
-  if GROUPS then return GROUPS end
+local function groups(cx)
+  if cx.groups then return cx.groups end
+  local cfg, cur = cx.cfg, cx.cur
   local span, width, ttl, cap = cfg.span, cfg.width_ms, cfg.sticky_ms, cfg.cap
   local state, dirty = {}, {}
   local function of(g)
@@ -72,7 +72,7 @@ local function groups(cur, cfg)
     state[g] = s
     return s
   end
-  GROUPS = {
+  cx.groups = {
     -- The replica a new member of group g joins, or nil: the policy decides.
     target = function(g)
       local s = of(g)
@@ -108,12 +108,13 @@ local function groups(cur, cfg)
       if fresh then redis.call('PEXPIREAT', key, int((cur + 1) * width + ttl)) end
     end,
   }
-  return GROUPS
+  return cx.groups
 end
 
 -- One request (the common case): the straight sequential procedure, without the batch's
--- tables. Its arguments start at ARGV[i]; the caller has reaped and knows `now` and `cur`.
-local function acquire_one(i, policy, now, cur, holder, cfg)
+-- tables. Its arguments start at ARGV[i]; the caller made the context (now, cur, holder).
+local function acquire_one(cx, i, policy)
+  local cfg, now, cur, seat = cx.cfg, cx.now, cx.cur, cx.seat
   local width, ttl, span = cfg.width_ms, cfg.sticky_ms, cfg.span
   local req, token = ARGV[i], ARGV[i + 1]
   local rec = redis.call('HGET', P .. 'leases', token)
@@ -122,7 +123,7 @@ local function acquire_one(i, policy, now, cur, holder, cfg)
     return { id, redis.call('HGET', P .. 'servers', id), 2 }
   end
   local old, ob
-  for b = cur, SEAT and SEAT.lo or cur - span, -1 do
+  for b = cur, seat and seat.lo or cur - span, -1 do
     old = redis.call('HGET', P .. 'sticky:' .. int(b), req)
     if old then
       ob = b
@@ -132,23 +133,24 @@ local function acquire_one(i, policy, now, cur, holder, cfg)
   -- A sticky replica is counted where it is (ZADD XX INCR is a no-op outside the set), so a
   -- sticky hit needs no membership lookup; only a new session needs the NOSERVERS check.
   local id, how, stay = old, 1, old
-  local moved = old and (cfg.margin or cfg.ratio) and overloaded(old, cfg)
+  local moved = old and (cfg.margin or cfg.ratio) and overloaded(cx, old)
   local share = policy.evicted and cfg.min_cached
-  if old and not moved and share and policy.evicted(i, old, share) then
+  if old and not moved and share and policy.evicted(i, old, share, cx) then
     moved = pool_of(old) ~= nil -- (a replica out of the pool loses its sessions anyway)
   end
   if moved then stay = nil end
   if not (stay and redis.call('ZADD', LOAD, 'XX', 'INCR', '1', old)) then
     if not (stay and redis.call('ZADD', P .. 'draining', 'XX', 'INCR', '1', old)) then
-      local held = cfg.hold and old and not (EXCL and EXCL.set[old]) and admit().held(old, now)
+      local excl = cx.excl
+      local held = cfg.hold and old and not (excl and excl.set[old]) and admit().held(old, now)
       if held then return held end
       -- (engine-aware, the pick reads scores, not counts: no replica to pick is refused below)
-      if not (ENGINE or LL.min) and not load_peek() then return admit().refused() end
+      if not (cx.engine or cx.ll.min) and not load_peek(cx) then return admit().refused(cx) end
       local g = not moved and ARGV[i + 3]
       if g == '' then g = nil end
-      local grp = g and groups(cur, cfg)
-      id, how = grp and grp.target(g) or policy.choose(i), 0
-      if not id then return admit().refused() end
+      local grp = g and groups(cx)
+      id, how = grp and grp.target(g) or policy.choose(i, cx), 0
+      if not id then return admit().refused(cx) end
       redis.call('ZINCRBY', LOAD, '1', id)
       if moved and id ~= old then redis.call('HINCRBY', P .. 'repins', old, '1') end
       if grp then
@@ -157,13 +159,13 @@ local function acquire_one(i, policy, now, cur, holder, cfg)
       end
     end
   end
-  if ENGINE then redis.call('ZADD', P .. 'escore', 'XX', 'INCR', '1', id) end
-  if CAPS then admit().filled(id) end
+  if cx.engine then redis.call('ZADD', P .. 'escore', 'XX', 'INCR', '1', id) end
+  if cx.caps then admit().filled(id) end
   local at = int(now)
   redis.call('ZADD', P .. 'held:' .. id, at, token)
-  redis.call('ZADD', P .. 'owned:' .. holder, at, token)
+  redis.call('ZADD', P .. 'owned:' .. cx.holder, at, token)
   local field = id .. SEP .. req
-  redis.call('HSET', P .. 'leases', token, lease_record(policy, i, id, field, holder))
+  redis.call('HSET', P .. 'leases', token, lease_record(cx, policy, i, id, field))
   if redis.call('HSETNX', P .. 'byreq', field, token) == 0 then
     redis.call('HSET', P .. 'byreq', field, redis.call('HGET', P .. 'byreq', field) .. ' ' .. token)
   end
@@ -181,19 +183,19 @@ local function acquire_one(i, policy, now, cur, holder, cfg)
       redis.call('PEXPIREAT', key, expire_at)
       redis.call('PEXPIREAT', nkey, expire_at)
     end
-    if SEAT and old ~= id then -- the replicas' pinned sessions (lib/picking)
+    if seat and old ~= id then -- the replicas' pinned sessions (lib/picking)
       if old then redis.call('HINCRBY', P .. 'pinned', old, '-1') end
       redis.call('HINCRBY', P .. 'pinned', id, '1')
     end
   end
   redis.call('HINCRBY', P .. 'acquires', id, '1')
   if how == 1 then redis.call('HINCRBY', P .. 'sticky_hits', id, '1') end
-  if policy.granted then policy.granted(i, id, token) end
+  if policy.granted then policy.granted(i, id, token, cx) end
   return { id, redis.call('HGET', P .. 'servers', id), how }
 end
 
 -- A batch (more than one request in a call) goes in three steps, each a procedure over the
--- batch's state B: batch_read reads up front what the requests need (their tokens' leases,
+-- call's context and the batch's state B: batch_read reads up front what the requests need (their tokens' leases,
 -- their sticky entries), batch_route routes each request in order (its replica and count, at
 -- once; the writes that commute, kept in B), batch_write makes those writes, grouped. The
 -- result and the final state are those of acquiring the requests one after another; a
@@ -201,7 +203,8 @@ end
 
 -- Read up front: the leases of the tokens (retries) and the sticky entries of the requests,
 -- newest bucket first: B.recs[j] (or nil), B.sid / B.sb: request id -> replica / bucket.
-local function batch_read(stride, cur, span)
+local function batch_read(cx, stride)
+  local cur, seat = cx.cur, cx.seat
   local n, reqs, toks = 0, {}, {}
   for i = HEAD + 1, #ARGV, stride do
     n = n + 1
@@ -216,8 +219,8 @@ local function batch_read(stride, cur, span)
       pending[np] = reqs[j]
     end
   end
-  LL.batch = true
-  for b = cur, SEAT and SEAT.lo or cur - span, -1 do
+  cx.ll.batch = true
+  for b = cur, seat and seat.lo or cur - cx.cfg.span, -1 do
     if np == 0 then break end
     local key = P .. 'sticky:' .. int(b)
     -- A bucket that has expired (or never was) is skipped with one EXISTS, not K lookups.
@@ -251,23 +254,24 @@ local function batch_pool(B, id)
 end
 
 -- The reply that refuses the whole batch, or nil; asked before anything is written.
-local function batch_refusal(B, cfg, now)
+local function batch_refusal(cx, B)
   local n, reqs, recs, sid = B.n, B.reqs, B.recs, B.sid
-  -- A session held by its ejected replica (HOLD) refuses the whole batch.
-  if cfg.hold then
+  -- A session held by its ejected replica (ejected_sticky = 'wait') refuses the whole batch.
+  if cx.cfg.hold then
+    local excl = cx.excl
     for j = 1, n do
       local old = not recs[j] and sid[reqs[j]]
-      local held = old and not (EXCL and EXCL.set[old]) and admit().held(old, now)
-      if held then return admit().readmit(held) end
+      local held = old and not (excl and excl.set[old]) and admit().held(old, cx.now)
+      if held then return admit().readmit(cx, held) end
     end
   end
 
   -- With no replica taking new sessions, refuse the whole batch unless each request is a
   -- retry or sticky to a pool member (a draining one).
-  if not load_peek() then
+  if not load_peek(cx) then
     for j = 1, n do
       if not recs[j] and not (sid[reqs[j]] and batch_pool(B, sid[reqs[j]])) then
-        return admit().readmit(admit().refused())
+        return admit().readmit(cx, admit().refused(cx))
       end
     end
   end
@@ -289,7 +293,8 @@ end
 -- replica (unless affinity moves it), a new one the group's or the policy's choice; counts
 -- move at once (later choices see them), the rest is kept in B for batch_write. B.out is the
 -- reply: per request, server id, metadata, how.
-local function batch_route(B, policy, stride, cfg, cur, now, holder)
+local function batch_route(cx, B, policy, stride)
+  local cfg, cur, now, seat = cx.cfg, cx.cur, cx.now, cx.seat
   local n, reqs, toks, recs, sid, sb = B.n, B.reqs, B.toks, B.recs, B.sid, B.sb
   local share = policy.evicted and cfg.min_cached
   local out, no = {}, 0
@@ -312,8 +317,8 @@ local function batch_route(B, policy, stride, cfg, cur, now, holder)
     else
       local old, ob = sid[req], sb[req]
       local zs = old and batch_pool(B, old)
-      local moved = zs == LOAD and (cfg.margin or cfg.ratio) and overloaded(old, cfg)
-      if zs and not moved and share then moved = policy.evicted(i, old, share) end
+      local moved = zs == LOAD and (cfg.margin or cfg.ratio) and overloaded(cx, old)
+      if zs and not moved and share then moved = policy.evicted(i, old, share, cx) end
       if moved then zs = nil end
       if zs then
         id, how = old, 1
@@ -322,18 +327,18 @@ local function batch_route(B, policy, stride, cfg, cur, now, holder)
       else
         local g = not moved and ARGV[i + 3]
         if g == '' then g = nil end
-        local grp = g and groups(cur, cfg)
-        zs, how, id = LOAD, 0, grp and grp.target(g) or policy.choose(i)
+        local grp = g and groups(cx)
+        zs, how, id = LOAD, 0, grp and grp.target(g) or policy.choose(i, cx)
         if moved and id ~= old then redis.call('HINCRBY', P .. 'repins', old, '1') end
         if grp then grp.joined(g, id) end
       end
       local score = redis.call('ZINCRBY', zs, '1', id)
-      if zs == LOAD then load_incremented(score, id) end
-      if ENGINE then redis.call('ZADD', P .. 'escore', 'XX', 'INCR', '1', id) end
-      if CAPS and admit().filled(id) then B.member[id], LL.min = false, nil end
+      if zs == LOAD then load_incremented(cx, score, id) end
+      if cx.engine then redis.call('ZADD', P .. 'escore', 'XX', 'INCR', '1', id) end
+      if cx.caps and admit().filled(id) then B.member[id], cx.ll.min = false, nil end
       local field = id .. SEP .. req
       granted_tok[token] = field
-      lease_kv[nl + 1], lease_kv[nl + 2] = token, lease_record(policy, i, id, field, holder)
+      lease_kv[nl + 1], lease_kv[nl + 2] = token, lease_record(cx, policy, i, id, field)
       owned_kv[nl + 1], owned_kv[nl + 2], nl = at, token, nl + 2
       local h = held[id]
       if not h then
@@ -367,14 +372,14 @@ local function batch_route(B, policy, stride, cfg, cur, now, holder)
         end
         sticky_kv[ns + 1], sticky_kv[ns + 2], ns = req, id, ns + 2
         batch_count(B, cur, id, 1)
-        if SEAT and old ~= id then -- the replicas' pinned sessions, at the end (lib/picking)
-          local d = SEAT.d
+        if seat and old ~= id then -- the replicas' pinned sessions, at the end (lib/picking)
+          local d = seat.d
           if old then d[old] = (d[old] or 0) - 1 end
           d[id] = (d[id] or 0) + 1
         end
         sid[req], sb[req] = id, cur
       end
-      if policy.granted then policy.granted(i, id, token) end
+      if policy.granted then policy.granted(i, id, token, cx) end
     end
     if meta[id] == nil then
       meta[id] = false
@@ -392,8 +397,9 @@ local function batch_route(B, policy, stride, cfg, cur, now, holder)
 end
 
 -- The writes that commute, grouped: lease records, the request index, sticky buckets, stats.
-local function batch_write(B, holder, cur, cfg)
-  local width, ttl = cfg.width_ms, cfg.sticky_ms
+local function batch_write(cx, B)
+  local holder, cur, seat = cx.holder, cx.cur, cx.seat
+  local width, ttl = cx.cfg.width_ms, cx.cfg.sticky_ms
   local lease_kv, owned_kv, nl, held, held_ids = B.lease_kv, B.owned_kv, B.nl, B.held, B.held_ids
   local acquires, byreq, byreq_f, hits, hit_ids = B.acquires, B.byreq, B.byreq_f, B.hits, B.hit_ids
   local sticky_kv, ns, sticky_del, sdelta, skeys = B.sticky_kv, B.ns, B.sticky_del, B.sdelta,
@@ -415,7 +421,7 @@ local function batch_write(B, holder, cur, cfg)
   end
   for _, id in ipairs(hit_ids) do redis.call('HINCRBY', P .. 'sticky_hits', id, int(hits[id])) end
   for b, gone in pairs(sticky_del) do flat_call('HDEL', P .. 'sticky:' .. int(b), gone) end
-  if GROUPS then GROUPS.flush() end
+  if cx.groups then cx.groups.flush() end
   if ns > 0 then
     local curs = int(cur)
     local key, nkey = P .. 'sticky:' .. curs, P .. 'stickyn:' .. curs
@@ -433,7 +439,7 @@ local function batch_write(B, holder, cur, cfg)
       redis.call('PEXPIREAT', key, expire_at)
       redis.call('PEXPIREAT', nkey, expire_at)
     end
-    for id, d in pairs(SEAT and SEAT.d or {}) do
+    for id, d in pairs(seat and seat.d or {}) do
       if d ~= 0 then redis.call('HINCRBY', P .. 'pinned', id, int(d)) end
     end
   end
@@ -446,19 +452,20 @@ end
 -- then `stride` arguments per request starting at ARGV[HEAD + 1]: request id, lease token,
 -- random integer, group id ("" = none), then the router's own from ARGV[i + OWN].
 -- `policy` is the routing policy's Lua side, a table of functions of the ARGV index i where a
--- request's arguments start: choose(i) picks the replica for a new session (nil: none);
--- evicted(i, old, share), if given, says whether replica `old` of
--- a sticky request no longer holds `share` of its prompt (asked only while it is on);
--- weight(i), if given, is the request's weight (a number >= 0) for the replica's weighted
--- load; granted(i, id, token), if given, runs after each new lease is counted (its replica's
--- count is already +1; the lease records themselves are written when the whole batch is
--- routed).
+-- request's arguments start and of the call's context cx (lib/base.lua; a policy passes it on
+-- to the procedures it calls, least_loaded(cx, rand)): choose(i, cx) picks the replica for a
+-- new session (nil: none); evicted(i, old, share, cx), if given, says whether replica `old`
+-- of a sticky request no longer holds `share` of its prompt (asked only while it is on);
+-- weight(i, cx), if given, is the request's weight (a number >= 0) for the replica's weighted
+-- load; granted(i, id, token, cx), if given, runs after each new lease is counted (its
+-- replica's count is already +1; the lease records themselves are written when the whole
+-- batch is routed).
 -- Returns a flat array: per request, server id, JSON metadata, and 0 = balanced, 1 = sticky,
 -- 2 = retry of a granted token; or the error NOSERVERS or NOCAPACITY (refused; CONFIGMISMATCH:
 -- this process's pinned settings are not the pinned ones) before anything is written (a
 -- call whose exclusion leaves no replica to go to is refused alike: lib/admission refused()).
 -- Capacity: an acquire that fills a replica takes it off (filled), so no later pick, sticky
--- or new, reaches it until a lease there ends; a batch's cached level (LL) and pool lookups
+-- or new, reaches it until a lease there ends; a batch's cached level (cx.ll) and pool lookups
 -- forget it at once.
 -- The result and the final state are those of acquiring the requests one after another: a
 -- lone request by acquire_one, a batch in the steps above (its lookups read up front, one
@@ -469,6 +476,9 @@ local function acquire_all(stride, policy)
   local width, ttl, span = cfg.width_ms, cfg.sticky_ms, cfg.span
   local now = now_ms()
   local cur = math.floor(now / width)
+  -- The call's context (lib/base.lua): everything of this call the procedures read or keep.
+  local cx = { cfg = cfg, holder = holder, now = now, cur = cur, ll = {} }
+  CALL = cx
   -- An acquire is a heartbeat of its holder, and reaps nothing: the holders' keepers do,
   -- in short calls of their own, so no acquire is slowed by another process's crash.
   local mismatch = heartbeat(holder, now, cfg.lease_ms, cfg)
@@ -477,12 +487,12 @@ local function acquire_all(stride, policy)
   -- (lib/picking). Lookups then stop at the oldest live sticky bucket (bucket b expires at
   -- (b + 1) * width + ttl), so an entry at its very expiry is neither found nor counted.
   if cfg.spread then
-    SEAT = { lo = math.max(cur - span, math.floor((now - ttl) / width)), cur = cur, d = {} }
+    cx.seat = { lo = math.max(cur - span, math.floor((now - ttl) / width)), cur = cur, d = {} }
   end
   -- Engine-aware scoring (lib/scoring.lua), pinned as the other settings.
   if cfg.engine then
-    ENGINE = cfg.engine
-    scoring().ready(now)
+    cx.engine = cfg.engine
+    scoring().ready(cx, now)
   end
   -- Health and admission (lib/admission.lua): free while no ejection is due, no replica declares
   -- a capacity and nobody waits.
@@ -492,26 +502,26 @@ local function acquire_all(stride, policy)
     end
   end
   if redis.call('EXISTS', P .. 'capacity', P .. 'waiters') > 0 then
-    local refusal = admit().admission(now, stride)
+    local refusal = admit().admission(cx, now, stride)
     if refusal then return refusal end
   end
   -- The caller's exclusion (lib/admission exclude()), once admission has put back what
   -- returns; every return from here on puts the excluded replicas back first.
   if ARGV[HEAD] ~= '' then
-    if ENGINE then scoring().level() end -- scores are made from the sets: made now, whole
-    admit().exclude(ARGV[HEAD])
+    if cx.engine then scoring().level(cx) end -- scores are made from the sets: made now, whole
+    admit().exclude(cx, ARGV[HEAD])
   end
+  local out
   if #ARGV == HEAD + stride then
-    local out = acquire_one(HEAD + 1, policy, now, cur, holder, cfg)
-    if EXCL then admit().readmit() end
-    return TICKET and admit().served(out, now) or out
+    out = acquire_one(cx, HEAD + 1, policy)
+  else
+    local B = batch_read(cx, stride)
+    local refusal = batch_refusal(cx, B)
+    if refusal then return refusal end
+    batch_route(cx, B, policy, stride)
+    batch_write(cx, B)
+    out = B.out
   end
-
-  local B = batch_read(stride, cur, span)
-  local refusal = batch_refusal(B, cfg, now)
-  if refusal then return refusal end
-  batch_route(B, policy, stride, cfg, cur, now, holder)
-  batch_write(B, holder, cur, cfg)
-  if EXCL then admit().readmit() end
-  return TICKET and admit().served(B.out, now) or B.out
+  if cx.excl then admit().readmit(cx) end
+  return cx.ticket and admit().served(cx, out, now) or out
 end

@@ -7,10 +7,9 @@
 -- ticket -> arrival number, P.."waiting" HASH ticket -> holder..SEP..give-up time..SEP..arrived
 -- at (ms); a waiter blocks on P.."wake:"..ticket (BLPOP) and is woken when a replica may take
 -- new sessions again.
--- CAPS: set by an acquire (one EXISTS per call) while some replica declares a capacity;
--- TICKET: the waiting ticket that acquire serves (ARGV[3]) while someone waits.
-local CAPS, TICKET = false, nil -- per call
-local OFF = nil -- per call; P.."off", named by admit() on a call's first use
+-- An acquire's context (lib/base.lua) holds cx.caps, set (one EXISTS per call) while some
+-- replica declares a capacity, cx.ticket, the waiting ticket that acquire serves (ARGV[3])
+-- while someone waits, and cx.excl, the replicas it leaves out.
 local ADMIT = nil -- once per library: the procedures below, which hold no state of a call
 
 -- The procedures, made on first use: each local function costs its making on every script
@@ -18,7 +17,6 @@ local ADMIT = nil -- once per library: the procedures below, which hold no state
 -- ejection due and nobody waiting) makes none; lib/leases.lua's end_lease reaches them only
 -- for a replica in neither `load` nor `draining`. A Functions library makes them once.
 local function admit()
-  OFF = OFF or P .. 'off'
   if ADMIT then return ADMIT end
   local M = {}
 
@@ -73,7 +71,7 @@ local function admit()
       local c = redis.call('ZSCORE', P .. name, id)
       if c then
         redis.call('ZREM', P .. name, id)
-        redis.call('ZADD', OFF, c, id)
+        redis.call('ZADD', P .. 'off', c, id)
         redis.call('HSET', P .. 'back', id, name)
         return true
       end
@@ -84,14 +82,14 @@ local function admit()
   -- Return id from `off` to where it came from when it is neither full nor ejected (waking
   -- the first waiter if it takes new sessions again). True if it returned.
   function M.put_back(id)
-    local c = redis.call('ZSCORE', OFF, id)
+    local c = redis.call('ZSCORE', P .. 'off', id)
     if not c then return false end
     local cap = M.capacity_of(id)
     if (cap and tonumber(c) >= cap) or redis.call('ZSCORE', P .. 'ejected', id) then
       return false
     end
     local back = redis.call('HGET', P .. 'back', id) or 'load'
-    redis.call('ZREM', OFF, id)
+    redis.call('ZREM', P .. 'off', id)
     redis.call('HDEL', P .. 'back', id)
     redis.call('ZADD', P .. back, c, id)
     if back == 'load' then M.wake_first() end
@@ -119,15 +117,16 @@ local function admit()
   -- An acquire that finds no replica for a request is refused with NOCAPACITY while some
   -- replica is full or ejected or a request waits (the caller may wait for one), or a batch
   -- needs more places than are free (`full`), else NOSERVERS; nothing of it is written.
-  -- With an exclusion (EXCL), a replica that is off counts only if it is not excluded
+  -- With an exclusion (cx.excl), a replica that is off counts only if it is not excluded
   -- (waiting for an excluded one would never end in a place), and NOSERVERS says when
   -- excluded replicas were all that took new sessions.
-  function M.refused(full)
-    local wait = full or redis.call('EXISTS', OFF, P .. 'waiters') > 0
-    if wait and EXCL and not full and redis.call('EXISTS', P .. 'waiters') == 0 then
+  function M.refused(cx, full)
+    local excl = cx.excl
+    local wait = full or redis.call('EXISTS', P .. 'off', P .. 'waiters') > 0
+    if wait and excl and not full and redis.call('EXISTS', P .. 'waiters') == 0 then
       wait = false
-      for _, id in ipairs(redis.call('ZRANGE', OFF, '0', '-1')) do
-        if not EXCL.set[id] then
+      for _, id in ipairs(redis.call('ZRANGE', P .. 'off', '0', '-1')) do
+        if not excl.set[id] then
           wait = true
           break
         end
@@ -137,8 +136,8 @@ local function admit()
       return redis.error_reply('NOCAPACITY every replica that could take the request is full '
         .. 'or ejected, or earlier requests are waiting for one')
     end
-    if EXCL then
-      for _, b in ipairs(EXCL.back) do
+    if excl then
+      for _, b in ipairs(excl.back) do
         if b[1] == LOAD then
           return redis.error_reply('NOSERVERS every replica accepting new sessions is excluded')
         end
@@ -151,7 +150,7 @@ local function admit()
   -- ejected (it keeps its entry and waits for the replica), or nil.
   function M.held(old, now)
     local til = redis.call('ZSCORE', P .. 'ejected', old)
-    if not til or not redis.call('ZSCORE', OFF, old) then return nil end
+    if not til or not redis.call('ZSCORE', P .. 'off', old) then return nil end
     return redis.error_reply('EJECTED ' .. int(math.max(0, tonumber(til) - now)) .. ' ' .. old)
   end
 
@@ -170,7 +169,7 @@ local function admit()
     return free
   end
 
-  -- lib/picking.lua's least_loaded while CAPS: least count / capacity, compared exactly
+  -- lib/picking.lua's least_loaded while cx.caps: least count / capacity, compared exactly
   -- (a * d < c * b); a replica without a declared capacity counts as large as the largest
   -- declared among them. Ties broken by the client's integer, as least_loaded's. O(N).
   function M.least_relative(rand)
@@ -203,13 +202,14 @@ local function admit()
   -- resent one whose leases were all granted, passes. A batch is granted whole or refused:
   -- with capacities it passes only if the free places in `load` cover its requests not
   -- granted yet (conservative: a sticky one may not need one). Returns the refusal, or nil.
-  function M.admission(now, stride)
-    CAPS = redis.call('EXISTS', P .. 'capacity') == 1
-    if ARGV[3] ~= '' then TICKET = ARGV[3] end
+  function M.admission(cx, now, stride)
+    local caps = redis.call('EXISTS', P .. 'capacity') == 1
+    cx.caps = caps
+    if ARGV[3] ~= '' then cx.ticket = ARGV[3] end
     local head = M.first_waiter(now)
-    local queued = head and head ~= TICKET
+    local queued = head and head ~= cx.ticket
     local n = (#ARGV - HEAD) / stride
-    if not queued and not (CAPS and n > 1) then return nil end
+    if not queued and not (caps and n > 1) then return nil end
     local toks = {}
     for j = 1, n do toks[j] = ARGV[HEAD + 2 + (j - 1) * stride] end
     local recs, fresh = hmget(P .. 'leases', toks, n), 0
@@ -217,7 +217,7 @@ local function admit()
       if not recs[j] then fresh = fresh + 1 end
     end
     if fresh == 0 then return nil end
-    if queued or (CAPS and M.room() < fresh) then return M.refused(true) end
+    if queued or (caps and M.room() < fresh) then return M.refused(cx, true) end
     return nil
   end
 
@@ -225,12 +225,12 @@ local function admit()
   -- which costs the acquire one comparison): replicas the call must not route to, new and
   -- sticky requests alike (a caller's retry leaves out every replica that already failed the
   -- request). They are set aside for the call: out of `load` and `draining` with their counts,
-  -- after admission and before any pick (EXCL), and put back unchanged by readmit() before
+  -- after admission and before any pick (cx.excl), and put back unchanged by readmit() before
   -- the script returns. Every policy's pick reads those sets, so none reaches them; a sticky
   -- session on one is placed anew and pinned where it goes, as on an ejected replica under
   -- ejected_sticky = 'move' (never held by 'wait': the caller asked for another replica). A
   -- token already granted still returns its lease, wherever it is. I1 holds at every step.
-  function M.exclude(list)
+  function M.exclude(cx, list)
     local set, back = {}, {}
     for id in string.gmatch(list, '[^\31]+') do
       if not set[id] then
@@ -245,27 +245,28 @@ local function admit()
         end
       end
     end
-    EXCL = { set = set, back = back }
+    cx.excl = { set = set, back = back }
   end
 
   -- The excluded replicas back where they were, with their counts; returns `reply` (a
   -- refusal made while they were aside).
-  function M.readmit(reply)
-    for _, b in ipairs(EXCL and EXCL.back or {}) do redis.call('ZADD', b[1], b[2], b[3]) end
+  function M.readmit(cx, reply)
+    for _, b in ipairs(cx.excl and cx.excl.back or {}) do redis.call('ZADD', b[1], b[2], b[3]) end
     return reply
   end
 
-  -- The reply of a successful acquire that served the first waiter (TICKET): it leaves the
+  -- The reply of a successful acquire that served the first waiter (cx.ticket): it leaves the
   -- queue (its wait counted in P.."waitstats") and the next one is woken if a replica takes
   -- new sessions.
-  function M.served(out, now)
+  function M.served(cx, out, now)
     if out.err then return out end
-    local w = redis.call('HGET', P .. 'waiting', TICKET)
+    local ticket = cx.ticket
+    local w = redis.call('HGET', P .. 'waiting', ticket)
     if w then
       local waited = now - tonumber(string.match(w, '(%d+)$'))
-      redis.call('ZREM', P .. 'waiters', TICKET)
-      redis.call('HDEL', P .. 'waiting', TICKET)
-      redis.call('DEL', P .. 'wake:' .. TICKET)
+      redis.call('ZREM', P .. 'waiters', ticket)
+      redis.call('HDEL', P .. 'waiting', ticket)
+      redis.call('DEL', P .. 'wake:' .. ticket)
       redis.call('HINCRBY', P .. 'waitstats', 'served', '1')
       redis.call('HINCRBY', P .. 'waitstats', 'waited_ms', int(waited))
       if waited > tonumber(redis.call('HGET', P .. 'waitstats', 'max_ms') or 0) then

@@ -20,10 +20,15 @@ local LOAD = P .. 'load' -- per call
 -- random integer, group id or "") before a policy's own, which start at ARGV[i + OWN].
 local HEAD = 4
 local OWN = 4
--- The replicas an acquire was told to leave out (ARGV[HEAD]), set aside for the call by
--- lib/acquiring.lua: { set = id -> true, back = { {sorted set, count, id}, ... } }; nil (no
--- exclusion, the default) costs the acquire nothing but one comparison.
-local EXCL = nil -- per call
+-- A call's own state lives in one table, its context `cx`, which the script makes (an
+-- acquire's in acquire_all, lib/acquiring.lua; others pass `{}`) and hands as the first
+-- argument to every procedure that reads or keeps it. The procedures keep nothing of a call
+-- anywhere else, so a Functions library makes them once and a call starts from what a fresh
+-- EVAL would see. An acquire's context: cfg (config()), now, cur (the newest sticky bucket),
+-- ll (lib/picking's level cache), seat (spread_sessions), engine (engine-aware scoring's
+-- setting), caps and ticket (lib/admission), excl (the replicas the call leaves out:
+-- { set = id -> true, back = { {sorted set, count, id}, ... } }; nil, the default, costs a
+-- comparison), groups (lib/acquiring), and engine-aware scoring's caches (lib/scoring).
 -- Hot path: a redis.call costs ~0.2 us, and turning a number into a string ~0.3 us (Lua's
 -- tostring and the server's "%.17g" both go through printf for doubles), against ~0.03 us
 -- for int() below. So the acquire and release paths pass integers through int(), constants

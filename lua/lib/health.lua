@@ -18,7 +18,8 @@
 --   P.."ejections"  HASH  id -> ejections in a row, id..SEP.."t" -> when the last one ends;
 --                         a replica not ejected for `max` ms starts again at base
 --   P.."failures"   HASH  id -> failures reported (a counter, for status)
-local STREAKS = nil -- per call; whether P.."fails" exists
+-- The procedures take the call's context (lib/base.lua) first: cx.streaks is whether P.."fails"
+-- exists, read at most once per call.
 local MAX_WHY = 200 -- bytes of a failure's reason kept
 
 -- The leases on id that ended other than by a reclaim (acquired, less those held and those
@@ -69,7 +70,7 @@ local function health()
   -- A request to (or a probe of) id failed: count it toward the streak (ejection on or off),
   -- keep why (`err`) as id's last error, and eject id when the streak reaches `after`.
   -- `ended`: 1 when the failure ended a lease (a failed request), 0 for a probe.
-  function H.failed(id, why, now, ended, err)
+  function H.failed(cx, id, why, now, ended, err)
     redis.call('HINCRBY', P .. 'failures', id, '1')
     local after, base, max, share = H.settings()
     local mark, n = 0, 1 -- the mark is read only with ejection off
@@ -86,7 +87,7 @@ local function health()
     end
     redis.call('HSET', P .. 'last_error', id,
       int(now) .. SEP .. int(mark) .. SEP .. string.sub(err, 1, MAX_WHY))
-    STREAKS = true
+    cx.streaks = true
     if after and n >= after
       and H.eject(id, int(n) .. ' ' .. why .. ' in a row', now, base, max, share) then
       redis.call('HDEL', P .. 'fails', id)
@@ -94,9 +95,13 @@ local function health()
   end
 
   -- A request to (or a probe of) id succeeded: its streak, if any, ends.
-  function H.succeeded(id)
-    if STREAKS == nil then STREAKS = redis.call('EXISTS', P .. 'fails') == 1 end
-    if STREAKS then redis.call('HDEL', P .. 'fails', id) end
+  function H.succeeded(cx, id)
+    local streaks = cx.streaks
+    if streaks == nil then
+      streaks = redis.call('EXISTS', P .. 'fails') == 1
+      cx.streaks = streaks
+    end
+    if streaks then redis.call('HDEL', P .. 'fails', id) end
   end
 
   HEALTH = H
@@ -107,11 +112,11 @@ end
 -- succeeded with ejection on when it starts with "+" (its streak ends); any other release is
 -- a success with ejection off (every process pins it): no call, its lease's end moves the
 -- replica's mark past its streak's (mark_of).
-local function released(id, op)
+local function released(cx, id, op)
   local mark = id and string.byte(op)
   if mark == 33 then
-    health().failed(id, 'failed requests', now_ms(), 1, 'request failed')
+    health().failed(cx, id, 'failed requests', now_ms(), 1, 'request failed')
   elseif mark == 43 then
-    health().succeeded(id)
+    health().succeeded(cx, id)
   end
 end

@@ -12,21 +12,16 @@
 -- Keys: P.."eextra" HASH id -> the extra applied (absent = 0); P.."escore" ZSET id -> count +
 -- extra, for every replica of the pool (I12, while the key exists: the first engine-aware
 -- acquire builds it, every count change, report and stale report keeps it).
--- The procedures are made on the first engine-aware use (scoring()), so a call on counts
--- alone makes none of them: it pays for ENGINE and this one function only. They keep a call's
--- state in the per-call variables below, never in upvalues of their own, so a Functions
--- library makes them once and every later call reuses them (SCORING is kept across calls
--- there; under EVALSHA each call starts without them).
-local ENGINE = nil -- per call; { ttl = ms, w = kv weight, ceil = permille or nil } while engine-aware
--- Key names, made by scoring() on a call's first use (a call on counts alone makes none).
-local ESCORE, EEXTRA = nil, nil -- per call
 -- least_tokens ranks tokens in flight: its scores (P.."wscore", beside P.."weighted") add the
 -- same extra valued in tokens (P.."wextra"): the extra times the replica's tokens per lease at
 -- the report (else the pool's; 1 when no lease is weighed). I12 holds for them as for escore.
-local WSCORE, WEXTRA = nil, nil -- per call
--- P.."escore" / P.."wscore" known to exist in this call; every report's extra applied.
-local SCORED, WSCORED, EXTRAS = false, false, false -- per call
-local POOL_TPL = nil -- per call; tokens per lease over the pool, read once
+-- The procedures are made on the first engine-aware use (scoring()), so a call on counts
+-- alone makes none of them. They keep a call's state in its context (lib/base.lua), never in
+-- upvalues of their own, so a Functions library makes them once and every later call reuses
+-- them (SCORING is kept across calls there; under EVALSHA each call starts without them):
+-- cx.engine { ttl = ms, w = kv weight, ceil = permille or nil } while engine-aware, and the
+-- call's caches: cx.scored / cx.wscored (P.."escore" / P.."wscore" known to exist),
+-- cx.extras (every report's extra applied), cx.pool_tpl (tokens per lease over the pool).
 -- Added to a replica at or above the KV ceiling: every replica below it scores lower.
 local PAST = 1000000000
 -- Replicas read at once when picking; a level that fills them is read whole.
@@ -34,10 +29,6 @@ local EPEEK = 16
 local SCORING = nil -- once per library: the procedures, which hold no state of a call
 
 local function scoring()
-  if not ESCORE then
-    ESCORE, EEXTRA = P .. 'escore', P .. 'eextra'
-    WSCORE, WEXTRA = P .. 'wscore', P .. 'wextra'
-  end
   if SCORING then return SCORING end
 
   -- The extra of a report record "<at> <running> <waiting> <kv permille> <leases_at>" (0 when
@@ -57,22 +48,23 @@ local function scoring()
 
   -- True when id's fresh report shows requests waiting in its engine, or KV usage at or above
   -- the ceiling: a sticky session may then move off it (with an affinity margin).
-  local function engine_pressed(id, now)
+  local function engine_pressed(cx, id, now)
     local rec = redis.call('HGET', P .. 'engine', id)
     if not rec then return false end
     local at, waiting, kv = string.match(rec, '^(%d+) %d+ (%d+) (%-?%d+)')
-    if not at or now - tonumber(at) > ENGINE.ttl then return false end
-    return tonumber(waiting) > 0 or (ENGINE.ceil ~= nil and tonumber(kv) >= ENGINE.ceil)
+    local setting = cx.engine
+    if not at or now - tonumber(at) > setting.ttl then return false end
+    return tonumber(waiting) > 0 or (setting.ceil ~= nil and tonumber(kv) >= setting.ceil)
   end
 
   -- Tokens per lease: id's own (its weighed leases' tokens over its count), else the pool's, else
-  -- 1 (read once per script).
-  local function tokens_per_lease(id)
+  -- 1 (read once per call).
+  local function tokens_per_lease(cx, id)
     local w = tonumber(redis.call('ZSCORE', P .. 'weighted', id)) or 0
     local c = tonumber(redis.call('ZSCORE', LOAD, id) or redis.call('ZSCORE', P .. 'draining', id)
       or redis.call('ZSCORE', P .. 'off', id)) or 0
     if w > 0 and c > 0 then return w / c end
-    if not POOL_TPL then
+    if not cx.pool_tpl then
       local ws, cs = 0, 0
       for _, zs in ipairs({ 'load', 'draining', 'off' }) do
         local rows = redis.call('ZRANGE', P .. zs, 0, -1, 'WITHSCORES')
@@ -80,9 +72,9 @@ local function scoring()
       end
       local rows = redis.call('ZRANGE', P .. 'weighted', 0, -1, 'WITHSCORES')
       for k = 2, #rows, 2 do ws = ws + tonumber(rows[k]) end
-      POOL_TPL = (ws > 0 and cs > 0) and ws / cs or 1
+      cx.pool_tpl = (ws > 0 and cs > 0) and ws / cs or 1
     end
-    return POOL_TPL
+    return cx.pool_tpl
   end
 
   -- Set a hash field to `v` (absent when 0) and move the score in `zs` by the change, while
@@ -99,19 +91,19 @@ local function scoring()
   end
 
   -- Apply `e` (requests) as id's extra, for least loaded and, valued in tokens, least_tokens.
-  local function set_extra(id, e)
-    move_extra(EEXTRA, ESCORE, id, e)
-    move_extra(WEXTRA, WSCORE, id, e == 0 and 0 or e * tokens_per_lease(id))
+  local function set_extra(cx, id, e)
+    move_extra(P .. 'eextra', P .. 'escore', id, e)
+    move_extra(P .. 'wextra', P .. 'wscore', id, e == 0 and 0 or e * tokens_per_lease(cx, id))
   end
 
   -- Every replica's extra from its report, once per call: before scores are made (the first
   -- engine-aware pick, or after a key was lost), as reports written before scoring was
   -- pinned set none.
-  local function extras_from_reports(now)
-    if EXTRAS then return end
-    EXTRAS = true
+  local function extras_from_reports(cx, now)
+    if cx.extras then return end
+    cx.extras = true
     for _, id in ipairs(redis.call('HKEYS', P .. 'servers')) do
-      set_extra(id, engine_extra(redis.call('HGET', P .. 'engine', id), ENGINE, now))
+      set_extra(cx, id, engine_extra(redis.call('HGET', P .. 'engine', id), cx.engine, now))
     end
   end
 
@@ -127,35 +119,35 @@ local function scoring()
   end
 
   -- Before an engine-aware acquire: reports gone stale count for nothing.
-  local function engine_ready(now)
-    local stale = redis.call('ZRANGEBYSCORE', P .. 'engine_at', '-inf', int(now - ENGINE.ttl - 1),
-      'LIMIT', '0', '16')
+  local function engine_ready(cx, now)
+    local stale = redis.call('ZRANGEBYSCORE', P .. 'engine_at', '-inf',
+      int(now - cx.engine.ttl - 1), 'LIMIT', '0', '16')
     for _, id in ipairs(stale) do
-      set_extra(id, 0)
+      set_extra(cx, id, 0)
       redis.call('ZREM', P .. 'engine_at', id)
     end
   end
 
   -- Before reading scores: they exist (the first engine-aware pick builds them; until then the
   -- counts' increments, ZADD XX, leave them unmade).
-  local function scored()
-    if SCORED then return end
-    SCORED = true
-    if redis.call('EXISTS', ESCORE) == 1 then return end
-    extras_from_reports(now_ms())
+  local function scored(cx)
+    if cx.scored then return end
+    cx.scored = true
+    if redis.call('EXISTS', P .. 'escore') == 1 then return end
+    extras_from_reports(cx, now_ms())
     for _, zs in ipairs({ 'load', 'draining', 'off' }) do
-      build(ESCORE, redis.call('ZRANGE', P .. zs, 0, -1, 'WITHSCORES'), EEXTRA)
+      build(P .. 'escore', redis.call('ZRANGE', P .. zs, 0, -1, 'WITHSCORES'), P .. 'eextra')
     end
   end
 
   -- least_tokens' scores: tokens in flight plus the extra in tokens, made from P.."weighted" the
   -- first time an engine-aware least_tokens picks (or after the key was lost).
-  local function wscored()
-    if WSCORED then return end
-    WSCORED = true
-    if redis.call('EXISTS', WSCORE) == 1 then return end
-    extras_from_reports(now_ms())
-    build(WSCORE, redis.call('ZRANGE', P .. 'weighted', 0, -1, 'WITHSCORES'), WEXTRA)
+  local function wscored(cx)
+    if cx.wscored then return end
+    cx.wscored = true
+    if redis.call('EXISTS', P .. 'wscore') == 1 then return end
+    extras_from_reports(cx, now_ms())
+    build(P .. 'wscore', redis.call('ZRANGE', P .. 'weighted', 0, -1, 'WITHSCORES'), P .. 'wextra')
   end
 
   -- The lowest score in `zs` (escore or wscore) among the replicas taking new sessions (in
@@ -190,20 +182,20 @@ local function scoring()
     return tonumber(best), ties
   end
 
-  local function engine_level()
-    scored()
-    return level_of(ESCORE)
+  local function engine_level(cx)
+    scored(cx)
+    return level_of(P .. 'escore')
   end
 
   -- A replica of least score in `zs`, uniformly among ties (rand: the client's integer);
   -- `ensure` makes the scores when they do not exist yet. While nothing drains, is off or is
   -- excluded (lib/acquiring), every scored replica takes new sessions: the lowest level is
   -- counted and indexed as picking.lua does with counts, three calls at most.
-  local function least_of(rand, zs, ensure)
-    if not EXCL and redis.call('EXISTS', P .. 'draining', P .. 'off') == 0 then
+  local function least_of(cx, rand, zs, ensure)
+    if not cx.excl and redis.call('EXISTS', P .. 'draining', P .. 'off') == 0 then
       local top = redis.call('ZRANGE', zs, 0, 0, 'WITHSCORES')
       if not top[1] then -- none yet: made from the pool, then read again
-        ensure()
+        ensure(cx)
         top = redis.call('ZRANGE', zs, 0, 0, 'WITHSCORES')
       end
       if not top[1] then return nil end
@@ -212,15 +204,17 @@ local function scoring()
       local rank = int(r)
       return redis.call('ZRANGE', zs, rank, rank)[1]
     end
-    ensure()
+    ensure(cx)
     local _, ties = level_of(zs)
     if #ties == 0 then return nil end
     return ties[rand % #ties + 1]
   end
 
-  local function least_engine(rand) return least_of(rand, ESCORE, scored) end
+  local function least_engine(cx, rand) return least_of(cx, rand, P .. 'escore', scored) end
   -- least_tokens, engine-aware: fewest tokens in flight plus the engines' extra in tokens.
-  local function least_engine_tokens(rand) return least_of(rand, WSCORE, wscored) end
+  local function least_engine_tokens(cx, rand)
+    return least_of(cx, rand, P .. 'wscore', wscored)
+  end
 
   SCORING = {
     setting = engine_setting, extra = engine_extra, pressed = engine_pressed,
