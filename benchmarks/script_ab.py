@@ -1,4 +1,4 @@
-"""``python -m benchmarks.script_ab REV [--calls N] [--batch 1,8] [--server-bin PATH]``
+"""``python -m benchmarks.script_ab REV [--fcall] [--calls N] [--batch 1,8] [--server-bin PATH]``
 ``python -m benchmarks.script_ab --paths [--calls N] [--batch 1,8] [--server-bin PATH]``
 
 The acquire and release scripts of this checkout against those of git revision REV, call by
@@ -22,7 +22,8 @@ so coarse for single requests).
 
 ``--paths`` times this checkout's scripts sent by EVALSHA ("before") and by FCALL ("after",
 Redis Functions) the same way, alternating at every call on one Redis 7+ or Valkey server. REV
-mode sends both revisions' scripts by EVALSHA.
+mode sends both revisions' scripts by EVALSHA, or with ``--fcall`` both by FCALL, each as the
+Functions library its own tree's loader makes (Redis 7+ or Valkey).
 """
 
 from __future__ import annotations
@@ -50,9 +51,14 @@ from .compare import HERE, worktree
 SCRIPTS = ("acquire", "release")
 NOOP = scripts.from_source("noop", "-- Uses     lib/base\nreturn 1")
 REPLICAS = 8
+# Per script: its source and what its tree's loader makes of it for a Functions library
+# (an older tree without a field gives its default: the whole source runs per call).
 _SOURCES = (
     "import json; from redis_router import scripts; "
-    f"print(json.dumps({{n: scripts.load(n).source for n in {SCRIPTS!r}}}))"
+    "print(json.dumps({n: [getattr(scripts.load(n), f, d) for f, d in "
+    "(('source', ''), ('function', ''), ('read_only', False), ('allow_oom', False), "
+    "('shared', ''), ('body', ''))] "
+    f"for n in {SCRIPTS!r}}}))"
 )
 
 
@@ -67,16 +73,25 @@ def sources(tree: Path) -> dict[str, Script]:
         check=True,
     ).stdout
     return {
-        name: Script(name, src, hashlib.sha1(src.encode()).hexdigest())
-        for name, src in json.loads(out).items()
+        name: Script(name, src, hashlib.sha1(src.encode()).hexdigest(), *rest)
+        for name, (src, *rest) in json.loads(out).items()
     }
 
 
 def _copy(script: Script) -> Script:
-    """The same script under another hash (a trailing comment), so that the server's record of
-    each call says which copy ran."""
-    src = script.source + "\n-- a copy, for an A/A run\n"
-    return Script(script.name, src, hashlib.sha1(src.encode()).hexdigest())
+    """The same script under another hash and function name (a trailing comment), so that the
+    server's record of each call says which copy ran."""
+    note = "\n-- a copy, for an A/A run\n"
+    src = script.source + note
+    return Script(
+        script.name,
+        src,
+        hashlib.sha1(src.encode()).hexdigest(),
+        read_only=script.read_only,
+        allow_oom=script.allow_oom,
+        shared=script.shared,
+        body=script.body + note if script.shared else "",
+    )
 
 
 def measure(
@@ -106,14 +121,15 @@ def measure(
     spent: dict[tuple[str, str], list[float]] = {key: [] for key in of.values()}
     for label in versions:  # the caller's whole pair: client, round trips and server
         spent[("wall", label)] = []
-    noop = {label: NOOP for label in versions}  # the fixed cost of a call, per path
-    for label in versions if fcall else ():  # (--paths only: one no-op for both revisions)
+    # The fixed cost of a call, per path (a copy for the second label: its own name).
+    noop = {label: _copy(NOOP) if k else NOOP for k, label in enumerate(versions)}
+    for label in versions if fcall else ():
         if label in fcall:
-            r.function_load(NOOP.library(), replace=True)
+            r.function_load(noop[label].library(), replace=True)
         else:
-            r.script_load(NOOP.source)
+            r.script_load(noop[label].source)
         spent[("noop", label)] = []
-        of[NOOP.function if label in fcall else NOOP.sha] = ("noop", label)
+        of[noop[label].function if label in fcall else noop[label].sha] = ("noop", label)
     lb = RedisLoadBalancer({f"s{i}": f"http://h{i}" for i in range(REPLICAS)}, redis=url)
     core = lb._core  # the scripts it sends are swapped below: same client, same keys
     labels = list(versions)
@@ -171,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--paths", action="store_true", help="this checkout's scripts by EVALSHA vs by FCALL"
     )
+    ap.add_argument(
+        "--fcall", action="store_true", help="REV mode: both revisions by FCALL (Redis 7+)"
+    )
     ap.add_argument("--calls", type=int, default=2000, help="calls per version and size")
     ap.add_argument("--batch", default="1,8", help="requests per call, comma separated")
     ap.add_argument("--server-bin", metavar="PATH", help="server binary (default: first found)")
@@ -194,7 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         with tempfile.TemporaryDirectory() as tmp, worktree(args.rev, Path(tmp) / "b") as before:
             versions = {"before": sources(before), "after": sources(HERE)}
-        compared = f"before = {args.rev}, after = this checkout (EVALSHA)"
+        path = "FCALL" if args.fcall else "EVALSHA"
+        compared = f"before = {args.rev}, after = this checkout ({path})"
+        if args.fcall:
+            if binary.version_tuple < (7,):
+                raise SystemExit(f"--fcall needs Redis 7+ or Valkey (Functions); {binary.label}")
+            fcall = frozenset({"before", "after"})
         same = [n for n in SCRIPTS if versions["before"][n].sha == versions["after"][n].sha]
         for n in same:  # an unchanged script is timed against a copy of itself
             versions["before"][n] = _copy(versions["before"][n])

@@ -218,6 +218,18 @@ def test_script_ab_runs_a_revision_with_the_same_scripts_as_an_a_a_comparison():
         assert len(values) == 6 and all(math.isfinite(float(v)) and float(v) > 0 for v in values)
 
 
+def test_script_ab_fcall_times_two_revisions_as_their_own_functions_libraries():
+    """``REV --fcall``: both revisions' scripts as the Functions libraries their own trees'
+    loaders make (HEAD's under another name: an A/A run), each call found in the server's log
+    by its function's name, and the no-op call beside them."""
+    out = _on_functions_server("script_ab", "HEAD", "--fcall", "--calls", "10", "--batch", "1")
+    assert out.startswith("before = HEAD, after = this checkout (FCALL)")
+    rows = {" ".join(line.split()[:2]): line.split()[2:] for line in out.splitlines()[3:]}
+    assert set(rows) == {f"{s} x1" for s in ("acquire", "release", "pair", "wall", "noop")}
+    for values in rows.values():
+        assert len(values) == 6 and all(math.isfinite(float(v)) and float(v) > 0 for v in values)
+
+
 def test_pair_profile_names_every_stage_of_both_scripts_and_its_commands():
     """``python -m benchmarks.pair_profile``: each stage of the acquire and of the release gets
     a finite cumulative time, the last being the whole script, and the commands it adds (the
