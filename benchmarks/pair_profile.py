@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-bin", help="redis-server / valkey-server to start (7+)")
     args = ap.parse_args(argv)
     binary = _binary(args.server_bin)
-    acquires = variants(scripts.load("acquire"), ACQUIRE)
+    # As a default balancer composes it: every optional part left out (scripts.OPTIONAL).
+    acquires = variants(scripts.load("acquire", frozenset(scripts.OPTIONAL)), ACQUIRE)
     releases = variants(scripts.load("release"), RELEASE)
     rng = random.Random(1)
     times: dict[str, list[float]] = {s.name: [] for s in acquires + releases}

@@ -18,7 +18,7 @@ import uuid
 import redis
 
 from redis_router import RedisLoadBalancer
-from redis_router.scripts import all_scripts
+from redis_router.scripts import NAMES, compositions
 
 from .harness import Row, Sizes
 from .latency import servers
@@ -29,8 +29,9 @@ LEASE_TTL = 0.3
 
 def _durations(client: redis.Redis) -> dict[str, list[int]]:
     """Microseconds of every script call in the slow log (logging everything), by script."""
-    names = {s.sha: name for name, s in all_scripts().items()}
-    names.update({s.function: name for name, s in all_scripts().items()})  # sent by FCALL
+    sent = [s for name in NAMES for s in compositions(name)]  # as balancers compose them
+    names = {s.sha: s.name for s in sent}
+    names.update({s.function: s.name for s in sent})  # sent by FCALL
     out: dict[str, list[int]] = {}
     for e in client.slowlog_get(200_000):
         words = str(e["command"]).split()

@@ -52,10 +52,14 @@ SCRIPTS = ("acquire", "release")
 NOOP = scripts.from_source("noop", "-- Uses     lib/base\nreturn 1")
 REPLICAS = 8
 # Per script: its source and what its tree's loader makes of it for a Functions library
-# (an older tree without a field gives its default: the whole source runs per call).
+# (an older tree without a field gives its default: the whole source runs per call), as a
+# default balancer of that tree sends it (composed without the optional parts, where the
+# tree composes scripts per configuration).
 _SOURCES = (
     "import json; from redis_router import scripts; "
-    "print(json.dumps({n: [getattr(scripts.load(n), f, d) for f, d in "
+    "off = frozenset(getattr(scripts, 'OPTIONAL', ())); "
+    "load = lambda n: scripts.load(n, off) if off else scripts.load(n); "
+    "print(json.dumps({n: [getattr(load(n), f, d) for f, d in "
     "(('source', ''), ('function', ''), ('read_only', False), ('allow_oom', False), "
     "('shared', ''), ('body', ''))] "
     f"for n in {SCRIPTS!r}}}))"
@@ -205,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     binary = _binary(args.server_bin)
     fcall: frozenset[str] = frozenset()
     if args.paths:
-        mine = {n: scripts.load(n) for n in SCRIPTS}
+        off = frozenset(scripts.OPTIONAL)  # as a default balancer composes them
+        mine = {n: scripts.load(n, off) for n in SCRIPTS}
         versions, fcall = {"before": mine, "after": mine}, frozenset({"after"})
         if binary.version_tuple < (7,):
             raise SystemExit(f"--paths needs Redis 7+ or Valkey (Functions); {binary.label}")

@@ -30,7 +30,7 @@ from .errors import (
 from .policy import RoutingPolicy, make_policy
 from .scoring import EngineScoring
 from .scoring import engine_scoring as engine_scoring_option
-from .scripts import Script, load
+from .scripts import Script, left_out, load
 
 T = TypeVar("T")
 S = TypeVar("S")
@@ -393,7 +393,9 @@ class BalancerCore:
         self.accepted_fields = frozenset((*policy.acquire_fields, GROUP_FIELD))
         # Set by the balancer's close(): it routes nothing more (see check_acquire).
         self.closed = False
-        self._acquire, self._release = policy.script, load("release")
+        # The acquire script composed for these settings: no code for an option they leave off.
+        self._acquire = policy.script_without(left_out(self.settings()))
+        self._release = load("release")
         # Called before every acquire, whichever router's script it runs: the balancer starts
         # its keeper here, so no path can take a lease that nothing keeps alive.
         self.on_acquire: Callable[[], None] = _nothing

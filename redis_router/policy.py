@@ -56,8 +56,15 @@ class RoutingPolicy:
 
     @property
     def script(self) -> Script:
-        """The acquire script (cached by path, so every instance shares one)."""
-        return load("acquire") if self.script_path is None else load_file(self.script_path)
+        """The acquire script with every part (cached by path, so every instance shares one)."""
+        return self.script_without(frozenset())
+
+    def script_without(self, leave_out: frozenset[str]) -> Script:
+        """The acquire script less the optional parts in ``leave_out`` (scripts.OPTIONAL): what
+        a balancer whose pinned settings leave them off sends."""
+        if self.script_path is None:
+            return load("acquire", leave_out)
+        return load_file(self.script_path, leave_out)
 
     def request_args(self, fields: Mapping[str, Any]) -> tuple[str, ...]:
         """A request's ``arity`` script arguments, from its fields. Raise TypeError or

@@ -170,29 +170,48 @@ def lua_dir() -> Path:
 
 
 @cache
-def load(name: str) -> Script:
-    """One of the library's scripts, by name (see NAMES)."""
-    return load_file(lua_dir() / f"{name}.lua")
+def load(name: str, leave_out: frozenset[str] = frozenset()) -> Script:
+    """One of the library's scripts, by name (see NAMES); ``leave_out``: see from_source."""
+    return load_file(lua_dir() / f"{name}.lua", leave_out)
 
 
 _USES = re.compile(r"^-- Uses +(.+)$", re.MULTILINE)
-# part -> the part it goes before wherever that one is used: least loaded is engine-aware when
-# pinned so, in every policy's script, including plugins written before the part existed.
-_IMPLIED = {"lib/scoring": "lib/picking"}
+# part -> the part it goes before wherever that one is used: least loaded is engine-aware, and
+# breaks ties by pinned sessions, when pinned so, in every policy's script, including plugins
+# written before the parts existed.
+_IMPLIED = {"lib/scoring": "lib/picking", "lib/pinning": "lib/picking"}
+# The parts an acquire needs only while a pinned setting is on (part -> its field in
+# core.PINNED_SETTINGS, "" = off): a balancer composes its acquire script without those its
+# settings leave off (core.BalancerCore), so a pool that never turns them on sends no code
+# of theirs; the procedures that call them do so only while the setting is on.
+OPTIONAL = {"lib/scoring": "engine", "lib/pinning": "spread"}
+
+
+def left_out(pinned: dict[str, str]) -> frozenset[str]:
+    """The optional parts that settings pinned so (field -> value, "" = off) leave out."""
+    return frozenset(part for part, field in OPTIONAL.items() if not pinned[field])
 
 
 @cache
-def load_file(path: Path) -> Script:
+def load_file(path: Path, leave_out: frozenset[str] = frozenset()) -> Script:
     """A script file with the parts its ``-- Uses`` line names prepended. Router plugins ship
     theirs beside their module and use ``lib/acquiring``, so leases and stickiness behave as in
     the core's acquire."""
     path = Path(path)
-    return from_source(path.stem, path.read_text(), path.parent)
+    return from_source(path.stem, path.read_text(), path.parent, leave_out)
 
 
-def from_source(name: str, text: str, here: Path | None = None) -> Script:
+def from_source(
+    name: str, text: str, here: Path | None = None, leave_out: frozenset[str] = frozenset()
+) -> Script:
     """A script from its text, with the parts its ``-- Uses`` line names prepended (a part
-    that is not ``lib/...`` is looked up in ``here``)."""
+    that is not ``lib/...`` is looked up in ``here``) and those they imply, less the implied
+    optional ones in ``leave_out`` (keys of OPTIONAL; a part the line names stays)."""
+    unknown = sorted(set(leave_out) - set(OPTIONAL))
+    if unknown:
+        raise ValueError(
+            f"leave_out: {unknown} are not optional parts; only {sorted(OPTIONAL)} may be left out"
+        )
     uses = _USES.search(text)
     if uses is None:
         raise ValueError(f"script {name!r} has no '-- Uses' header line naming its parts")
@@ -200,7 +219,7 @@ def from_source(name: str, text: str, here: Path | None = None) -> Script:
     shared: list[str] = []
     refs = [r.strip() for r in uses.group(1).split(",")]
     for needed, before in _IMPLIED.items():  # parts a named part cannot do without
-        if before in refs and needed not in refs:
+        if before in refs and needed not in refs and needed not in leave_out:
             refs.insert(refs.index(before), needed)
     for ref in refs:
         folder = lua_dir() if ref.startswith("lib/") else here
@@ -224,3 +243,14 @@ def function_name(name: str, sha: str) -> str:
 
 def all_scripts() -> dict[str, Script]:
     return {n: load(n) for n in NAMES}
+
+
+def compositions(name: str) -> list[Script]:
+    """Every form of one of the library's scripts a balancer may send: one per set of
+    optional parts its settings leave out (a script that uses none has one form)."""
+    optional = sorted(OPTIONAL)
+    subsets = [
+        frozenset(p for k, p in enumerate(optional) if mask >> k & 1)
+        for mask in range(2 ** len(optional))
+    ]
+    return list({s.sha: s for s in (load(name, left) for left in subsets)}.values())

@@ -64,8 +64,17 @@ def stats(r: redis.Redis, command: str) -> int:
 # -- loading -------------------------------------------------------------------------------
 
 
+def composed_acquires() -> list[scripts.Script]:
+    """Every acquire script (the core's and the plugins') as a balancer composes it, for each
+    set of optional parts its settings can leave out."""
+    kinds = [frozenset(), *(frozenset({p}) for p in scripts.OPTIONAL), frozenset(scripts.OPTIONAL)]
+    paths = [scripts.lua_dir() / "acquire.lua"]
+    paths += [ROOT / "plugins" / f"{n}.lua" for n in ("least_tokens", "prefix_cache")]
+    return [scripts.load_file(p, k) for p in paths for k in kinds if k]
+
+
 def test_every_script_of_the_library_and_of_plugins_loads_as_a_function(r):
-    every = [*scripts.all_scripts().values(), *plugin_scripts()]
+    every = [*scripts.all_scripts().values(), *plugin_scripts(), *composed_acquires()]
     assert {s.name for s in plugin_scripts()} >= {"least_tokens", "prefix_cache"}
     if not has_functions(r):  # Redis 6.2: the sender goes by EVALSHA without asking again
         sender = Sender(r)
@@ -88,6 +97,48 @@ def test_every_script_of_the_library_and_of_plugins_loads_as_a_function(r):
     }
     read_only = {s.name for s in every if s.read_only}
     assert read_only == {"configure", "counts", "owned", "owner", "status"}
+
+
+def test_a_balancer_sends_no_code_for_an_option_its_settings_leave_off(make_lb, r):
+    """The acquire script is composed per configuration: engine scoring's part and the
+    spread_sessions tie-break are in a balancer's script only while it pins them on, and each
+    variant routes (its own library, or script by EVALSHA)."""
+    marks = {"lib/scoring": "local function scoring()", "lib/pinning": "local function pinning()"}
+    options: dict[str, dict[str, Any]] = {
+        "default": {},
+        "engine": {"engine_scoring": True},
+        "spread": {"spread_sessions": True},
+        "both": {"engine_scoring": True, "spread_sessions": True},
+        "deterministic": {"spread_sessions": True, "full_determinism": True},  # spread is off
+    }
+    wanted = {
+        "default": set(),
+        "engine": {"lib/scoring"},
+        "spread": {"lib/pinning"},
+        "both": {"lib/scoring", "lib/pinning"},
+        "deterministic": set(),
+    }
+    sent = set()
+    for name, kw in options.items():
+        lb = make_lb(SERVERS, name=f"composed-{name}", **kw)
+        script = lb._core._acquire
+        assert {p for p, mark in marks.items() if mark in script.source} == wanted[name], name
+        assert script.source.count("local function acquire_all(") == 1
+        for i in range(6):
+            lb.acquire(f"{name}-{i}").release()
+        sent.add(script.function)
+    assert len(sent) == 4  # one script per set of parts (deterministic: the default's)
+    assert sent == {s.function for s in scripts.compositions("acquire")}  # every form it has
+    # A part a script names itself stays: engine_report reads scores whatever is left out.
+    assert (
+        scripts.load("engine_report", frozenset(scripts.OPTIONAL)).source.count(
+            marks["lib/scoring"]
+        )
+        == 1
+    )
+    assert scripts.load("acquire").source.count("local function pinning()") == 1  # whole
+    with pytest.raises(ValueError, match=r"leave_out: \['lib/base'\] are not optional"):
+        scripts.load("acquire", frozenset({"lib/base"}))
 
 
 def test_read_only_scripts_go_by_fcall_ro_and_could_not_write(make_lb, r):
@@ -532,6 +583,9 @@ def test_fcall_and_evalsha_give_identical_results_on_random_sequences(server, r,
 def test_functions_load_on_every_master_of_a_cluster_and_again_after_a_flush(binary):
     from .servers import LocalCluster
 
+    def load(name: str) -> scripts.Script:  # as a default balancer composes it
+        return scripts.load(name, frozenset(scripts.OPTIONAL))
+
     with LocalCluster(binary, masters=3) as cluster:
         nodes = [n.client(decode_responses=True) for n in cluster.nodes]
         functions = has_functions(nodes[0])
@@ -558,7 +612,7 @@ def test_functions_load_on_every_master_of_a_cluster_and_again_after_a_flush(bin
         # each call went straight to its slot's node: none asked a node for FCALL's keys first
         assert sum(stats(node, "command|getkeys") for node in nodes) == 0
         if functions:
-            wanted = {scripts.load(n).function for n in ("acquire", "release", "add_servers")}
+            wanted = {load(n).function for n in ("acquire", "release", "add_servers")}
             for node in nodes:  # every master has them, not only those serving a balancer
                 assert wanted <= loaded_functions(node), node
         for node in nodes:
@@ -568,7 +622,7 @@ def test_functions_load_on_every_master_of_a_cluster_and_again_after_a_flush(bin
         run_all()  # loaded again where they are gone
         if functions:
             for node in nodes:
-                assert scripts.load("acquire").function in loaded_functions(node)
+                assert load("acquire").function in loaded_functions(node)
         for node in nodes:
             node.close()
 
