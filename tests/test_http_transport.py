@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import time
 from collections.abc import Iterator
@@ -50,7 +51,10 @@ def test_async_openai_client_keeps_sessions_and_releases_after_each_response(ser
     register(server, name, replicas)
 
     async def main() -> dict[str, set[str]]:
-        async with AsyncRedisLoadBalancer(redis=server.url, name=name) as lb:
+        # Seeded: each session is new while nothing is in flight, a three-way tie each time;
+        # a fixed draw keeps "spread over more than one" from failing 1 run in 243.
+        rng = random.Random(5)
+        async with AsyncRedisLoadBalancer(redis=server.url, name=name, rng=rng) as lb:
             client = openai.AsyncOpenAI(
                 base_url="http://router/v1",
                 api_key="unused",
