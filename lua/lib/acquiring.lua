@@ -477,7 +477,10 @@ local function acquire_all(stride, policy)
   local now = now_ms()
   local cur = math.floor(now / width)
   -- The call's context (lib/base.lua): everything of this call the procedures read or keep.
-  local cx = { cfg = cfg, holder = holder, now = now, cur = cur, ll = {} }
+  -- Its least-loaded level cache (lib/picking) is made with its fields, so filling them
+  -- never grows the table.
+  local cx = { cfg = cfg, holder = holder, now = now, cur = cur,
+    ll = { min = false, mins = false, first = false, ties = false, level = false } }
   CALL = cx
   -- An acquire is a heartbeat of its holder, and reaps nothing: the holders' keepers do,
   -- in short calls of their own, so no acquire is slowed by another process's crash.
