@@ -32,7 +32,7 @@ local function overloaded(cx, old)
   if cx.engine then -- scores, not counts, and only off a replica whose engine queues requests
     -- (or is past the KV ceiling): a session whose next turn would run at once keeps its cache
     local sc = scoring()
-    if not sc.pressed(cx, old, now_ms()) then return false end
+    if not sc.pressed(cx, old) then return false end
     s, m = tonumber(redis.call('ZSCORE', P .. 'escore', old)), sc.level(cx)
     if not (s and m) then return false end
   else
@@ -195,9 +195,10 @@ local function acquire_one(cx, i, policy)
 end
 
 -- A batch (more than one request in a call) goes in three steps, each a procedure over the
--- call's context and the batch's state B: batch_read reads up front what the requests need (their tokens' leases,
--- their sticky entries), batch_route routes each request in order (its replica and count, at
--- once; the writes that commute, kept in B), batch_write makes those writes, grouped. The
+-- call's context and the batch's state B: batch_read reads up front what the requests need
+-- (their tokens' leases, their sticky entries), batch_route routes each request in order (its
+-- replica and count, at once; the writes that commute, kept in B), batch_write makes those
+-- writes, grouped. The
 -- result and the final state are those of acquiring the requests one after another; a
 -- refusal (batch_refusal) comes before anything is written.
 
@@ -490,12 +491,12 @@ local function acquire_all(stride, policy)
   -- (lib/picking). Lookups then stop at the oldest live sticky bucket (bucket b expires at
   -- (b + 1) * width + ttl), so an entry at its very expiry is neither found nor counted.
   if cfg.spread then
-    cx.seat = { lo = math.max(cur - span, math.floor((now - ttl) / width)), cur = cur, d = {} }
+    cx.seat = { lo = math.max(cur - span, math.floor((now - ttl) / width)), d = {} }
   end
   -- Engine-aware scoring (lib/scoring.lua), pinned as the other settings.
   if cfg.engine then
     cx.engine = cfg.engine
-    scoring().ready(cx, now)
+    scoring().ready(cx)
   end
   -- Health and admission (lib/admission.lua): free while no ejection is due, no replica declares
   -- a capacity and nobody waits.
@@ -505,7 +506,7 @@ local function acquire_all(stride, policy)
     end
   end
   if redis.call('EXISTS', P .. 'capacity', P .. 'waiters') > 0 then
-    local refusal = admit().admission(cx, now, stride)
+    local refusal = admit().admission(cx, stride)
     if refusal then return refusal end
   end
   -- The caller's exclusion (lib/admission exclude()), once admission has put back what
@@ -526,5 +527,5 @@ local function acquire_all(stride, policy)
     out = B.out
   end
   if cx.excl then admit().readmit(cx) end
-  return cx.ticket and admit().served(cx, out, now) or out
+  return cx.ticket and admit().served(cx, out) or out
 end

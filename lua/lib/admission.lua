@@ -202,11 +202,11 @@ local function admit()
   -- resent one whose leases were all granted, passes. A batch is granted whole or refused:
   -- with capacities it passes only if the free places in `load` cover its requests not
   -- granted yet (conservative: a sticky one may not need one). Returns the refusal, or nil.
-  function M.admission(cx, now, stride)
+  function M.admission(cx, stride)
     local caps = redis.call('EXISTS', P .. 'capacity') == 1
     cx.caps = caps
     if ARGV[3] ~= '' then cx.ticket = ARGV[3] end
-    local head = M.first_waiter(now)
+    local head = M.first_waiter(cx.now)
     local queued = head and head ~= cx.ticket
     local n = (#ARGV - HEAD) / stride
     if not queued and not (caps and n > 1) then return nil end
@@ -258,12 +258,12 @@ local function admit()
   -- The reply of a successful acquire that served the first waiter (cx.ticket): it leaves the
   -- queue (its wait counted in P.."waitstats") and the next one is woken if a replica takes
   -- new sessions.
-  function M.served(cx, out, now)
+  function M.served(cx, out)
     if out.err then return out end
     local ticket = cx.ticket
     local w = redis.call('HGET', P .. 'waiting', ticket)
     if w then
-      local waited = now - tonumber(string.match(w, '(%d+)$'))
+      local waited = cx.now - tonumber(string.match(w, '(%d+)$'))
       redis.call('ZREM', P .. 'waiters', ticket)
       redis.call('HDEL', P .. 'waiting', ticket)
       redis.call('DEL', P .. 'wake:' .. ticket)

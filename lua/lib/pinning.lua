@@ -9,7 +9,7 @@
 -- takes ended sessions off, clear_sticky, bump and destroy delete it. A bucket that expires
 -- takes its entries with it, so when "@" is not the oldest live bucket (seat.lo) the hash is
 -- made again from the live buckets' per-replica counts (P.."stickyn:"..b): once per bucket
--- width (sticky_ttl / 4), O(replicas with sessions x buckets). cx.seat = { lo, cur, d } is
+-- width (sticky_ttl / 4), O(replicas with sessions x buckets). cx.seat = { lo, d } is
 -- set by acquire_all; pinning() makes the procedures on a script's first tie (a Functions
 -- library on its first tie ever: they keep a call's state only in its context).
 local PINNING = nil -- once per library: the procedures below, which hold no state of a call
@@ -17,9 +17,10 @@ local SEATS_MAX = 8 -- tied replicas whose pinned sessions one pick compares
 
 local function pinning()
   if PINNING then return PINNING end
-  local function rebuild(seat)
+  local function rebuild(cx)
+    local seat = cx.seat
     local t, kv = {}, { '@', int(seat.lo) }
-    for b = seat.lo, seat.cur do
+    for b = seat.lo, cx.cur do
       local flat = redis.call('HGETALL', P .. 'stickyn:' .. int(b))
       for k = 1, #flat, 2 do t[flat[k]] = (t[flat[k]] or 0) + tonumber(flat[k + 1]) end
     end
@@ -57,7 +58,7 @@ local function pinning()
       local seat = cx.seat
       local cands = tied(cx, ties, rand % ties)
       local got = redis.call('HMGET', P .. 'pinned', '@', unpack(cands))
-      local t = tonumber(got[1]) ~= seat.lo and rebuild(seat)
+      local t = tonumber(got[1]) ~= seat.lo and rebuild(cx)
       local best, nb, low, d = {}, 0, nil, seat.d
       for k, id in ipairs(cands) do
         local n = (t and (t[id] or 0) or tonumber(got[k + 1]) or 0) + (d[id] or 0)

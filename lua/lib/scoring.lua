@@ -48,12 +48,12 @@ local function scoring()
 
   -- True when id's fresh report shows requests waiting in its engine, or KV usage at or above
   -- the ceiling: a sticky session may then move off it (with an affinity margin).
-  local function engine_pressed(cx, id, now)
+  local function engine_pressed(cx, id)
     local rec = redis.call('HGET', P .. 'engine', id)
     if not rec then return false end
     local at, waiting, kv = string.match(rec, '^(%d+) %d+ (%d+) (%-?%d+)')
     local setting = cx.engine
-    if not at or now - tonumber(at) > setting.ttl then return false end
+    if not at or cx.now - tonumber(at) > setting.ttl then return false end
     return tonumber(waiting) > 0 or (setting.ceil ~= nil and tonumber(kv) >= setting.ceil)
   end
 
@@ -99,11 +99,11 @@ local function scoring()
   -- Every replica's extra from its report, once per call: before scores are made (the first
   -- engine-aware pick, or after a key was lost), as reports written before scoring was
   -- pinned set none.
-  local function extras_from_reports(cx, now)
+  local function extras_from_reports(cx)
     if cx.extras then return end
     cx.extras = true
     for _, id in ipairs(redis.call('HKEYS', P .. 'servers')) do
-      set_extra(cx, id, engine_extra(redis.call('HGET', P .. 'engine', id), cx.engine, now))
+      set_extra(cx, id, engine_extra(redis.call('HGET', P .. 'engine', id), cx.engine, cx.now))
     end
   end
 
@@ -119,9 +119,9 @@ local function scoring()
   end
 
   -- Before an engine-aware acquire: reports gone stale count for nothing.
-  local function engine_ready(cx, now)
+  local function engine_ready(cx)
     local stale = redis.call('ZRANGEBYSCORE', P .. 'engine_at', '-inf',
-      int(now - cx.engine.ttl - 1), 'LIMIT', '0', '16')
+      int(cx.now - cx.engine.ttl - 1), 'LIMIT', '0', '16')
     for _, id in ipairs(stale) do
       set_extra(cx, id, 0)
       redis.call('ZREM', P .. 'engine_at', id)
@@ -134,7 +134,7 @@ local function scoring()
     if cx.scored then return end
     cx.scored = true
     if redis.call('EXISTS', P .. 'escore') == 1 then return end
-    extras_from_reports(cx, now_ms())
+    extras_from_reports(cx)
     for _, zs in ipairs({ 'load', 'draining', 'off' }) do
       build(P .. 'escore', redis.call('ZRANGE', P .. zs, 0, -1, 'WITHSCORES'), P .. 'eextra')
     end
@@ -146,7 +146,7 @@ local function scoring()
     if cx.wscored then return end
     cx.wscored = true
     if redis.call('EXISTS', P .. 'wscore') == 1 then return end
-    extras_from_reports(cx, now_ms())
+    extras_from_reports(cx)
     build(P .. 'wscore', redis.call('ZRANGE', P .. 'weighted', 0, -1, 'WITHSCORES'), P .. 'wextra')
   end
 
